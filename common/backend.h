@@ -1,0 +1,87 @@
+#pragma once
+// A backend owns memory and runs the operations the forward pass is made of. The model decides what is
+// computed (common/model.cpp); a backend decides how (Eigen on the CPU, CUDA kernels on a GPU). Every
+// pointer passed to an operation is memory of that backend; shapes are row-major.
+#include <cstddef>
+#include <span>
+
+#include "kv_cache.h"
+
+namespace kvs {
+
+struct AttentionShape {
+  int n_heads;
+  int n_kv_heads;
+  int head_dim;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+
+  // ---- memory ----
+  virtual float* allocate(std::size_t floats) = 0;  // zero-filled
+  virtual void release(float* p) = 0;
+  // Weights the operations can read. The CPU reads the mapped file in place; a GPU copies it over.
+  virtual const float* upload_weights(const float* host, std::size_t floats) = 0;
+  virtual void copy(float* dst, const float* src, std::size_t floats) = 0;  // within the backend
+  virtual void to_host(float* host, const float* src, std::size_t floats) = 0;
+  virtual void from_host(float* dst, const float* host, std::size_t floats) = 0;
+  // Scratch floats attention needs for views of up to max_rows rows (allocated once by the model).
+  virtual std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows) const = 0;
+
+  // ---- operations ----
+  // x (n, dim) = table[tokens[i]] rows
+  virtual void embed(float* x, const float* table, std::span<const int> tokens, int dim) = 0;
+  // out (n, d_out) = x (n, d_in) · wᵀ, w (d_out, d_in)
+  virtual void matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) = 0;
+  // out (n, dim) = x / sqrt(mean(x²) + eps) ⊙ weight, row by row
+  virtual void rmsnorm(float* out, const float* x, const float* weight, int n, int dim) = 0;
+  // table (n, head_dim/2, 2) = [cos, sin] of positions pos .. pos + n - 1 (see rope.h)
+  virtual void rope_table(float* table, int pos, int n, int head_dim) = 0;
+  // rotate x (n, heads, head_dim) in place with the table of the same n positions
+  virtual void rope(float* x, const float* table, int n, int heads, int head_dim) = 0;
+  // out (n, n_heads·head_dim) = softmax(q kᵀ / sqrt(head_dim), masked by key_visible) v for queries
+  // q (n, n_heads·head_dim) at positions pos .. pos + n - 1, over the rows of `kv`
+  virtual void attention(float* out, const float* q, int pos, int n, const KvView& kv,
+                         const AttentionShape& shape, float* scratch) = 0;
+  // gate (count) = silu(gate) ⊙ up
+  virtual void swiglu(float* gate, const float* up, std::size_t count) = 0;
+  // x (count) += y
+  virtual void add(float* x, const float* y, std::size_t count) = 0;
+};
+
+// Backend memory that frees itself.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(Backend& backend, std::size_t floats) : backend_(&backend), data_(backend.allocate(floats)), size_(floats) {}
+  ~Buffer() { reset(); }
+  Buffer(Buffer&& o) noexcept : backend_(o.backend_), data_(o.data_), size_(o.size_) { o.data_ = nullptr, o.size_ = 0; }
+  Buffer& operator=(Buffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      backend_ = o.backend_, data_ = o.data_, size_ = o.size_;
+      o.data_ = nullptr, o.size_ = 0;
+    }
+    return *this;
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  float* data() { return data_; }
+  const float* data() const { return data_; }
+  std::size_t size() const { return size_; }
+
+ private:
+  void reset() {
+    if (data_) backend_->release(data_);
+    data_ = nullptr, size_ = 0;
+  }
+  Backend* backend_ = nullptr;
+  float* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+}  // namespace kvs

@@ -1,0 +1,204 @@
+#include "checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+
+#include "rope.h"
+
+namespace kvs {
+namespace {
+
+constexpr std::size_t kHeaderBytes = 7 * sizeof(std::int32_t);
+
+// Generous bounds that no sane checkpoint exceeds; they keep every size computation far from overflow.
+struct Bound {
+  const char* name;
+  int max;
+};
+constexpr Bound kBounds[7] = {{"dim", 1 << 16},      {"hidden_dim", 1 << 18}, {"n_layers", 1024},
+                              {"n_heads", 1024},     {"n_kv_heads", 1024},    {"vocab_size", 1 << 21},
+                              {"seq_len", 1 << 21}};
+
+[[noreturn]] void fail(const std::string& path, const std::string& what) {
+  throw CheckpointError(path + ": " + what);
+}
+
+// Floats of every tensor in file order, legacy RoPE tables included.
+std::uint64_t checkpoint_floats(const ModelConfig& c) {
+  const std::uint64_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, L = c.n_layers;
+  const std::uint64_t vocab = c.vocab_size;
+  std::uint64_t n = vocab * dim;                              // token embedding
+  n += L * dim;                                               // rms_att
+  n += L * (dim * dim + 2 * kv_dim * dim + dim * dim);        // wq, wk, wv, wo
+  n += L * dim;                                               // rms_ffn
+  n += L * 3 * hidden * dim;                                  // w1, w2, w3
+  n += dim;                                                   // rms_final
+  n += 2 * std::uint64_t(c.seq_len) * (c.head_dim() / 2);     // legacy RoPE tables (skipped)
+  if (!c.shared_classifier) n += vocab * dim;                 // classifier
+  return n;
+}
+
+}  // namespace
+
+ModelConfig validate_header(const int (&h)[7], const std::string& path) {
+  for (int i = 0; i < 7; ++i) {
+    const int value = i == 5 && h[i] < 0 && h[i] != INT32_MIN ? -h[i] : h[i];  // vocab_size may be negative
+    if (value <= 0)
+      fail(path, std::string("header field ") + kBounds[i].name + " = " + std::to_string(h[i]) +
+                     " must be positive (is this a llama2.c version-0 checkpoint?)");
+    if (value > kBounds[i].max)
+      fail(path, std::string("header field ") + kBounds[i].name + " = " + std::to_string(value) +
+                     " is larger than the limit " + std::to_string(kBounds[i].max) +
+                     " (is this a llama2.c version-0 checkpoint?)");
+  }
+  ModelConfig c{.dim = h[0], .hidden_dim = h[1], .n_layers = h[2], .n_heads = h[3], .n_kv_heads = h[4],
+                .vocab_size = h[5] < 0 ? -h[5] : h[5], .seq_len = h[6], .shared_classifier = h[5] > 0};
+  if (c.dim % c.n_heads != 0)
+    fail(path, "header field dim = " + std::to_string(c.dim) + " must be a multiple of n_heads = " +
+                   std::to_string(c.n_heads));
+  if (c.n_heads % c.n_kv_heads != 0)
+    fail(path, "header field n_kv_heads = " + std::to_string(c.n_kv_heads) + " must divide n_heads = " +
+                   std::to_string(c.n_heads));
+  if (c.head_dim() % 2 != 0)
+    fail(path, "head_dim = dim / n_heads = " + std::to_string(c.head_dim()) +
+                   " must be even (RoPE rotates pairs of dimensions)");
+  return c;
+}
+
+std::size_t checkpoint_bytes(const ModelConfig& config) {
+  return kHeaderBytes + checkpoint_floats(config) * sizeof(float);
+}
+
+Checkpoint::Checkpoint(const std::string& path) : path_(path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) fail(path, std::string("cannot open: ") + std::strerror(errno) + " (check the --model path)");
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail(path, "not a regular file");
+  }
+  const auto size = static_cast<std::size_t>(st.st_size);
+  if (size < kHeaderBytes) {
+    ::close(fd);
+    fail(path, "file is " + std::to_string(size) + " bytes, smaller than the 28-byte header (truncated?)");
+  }
+  int header[7];
+  if (::pread(fd, header, sizeof header, 0) != static_cast<ssize_t>(sizeof header)) {
+    ::close(fd);
+    fail(path, "cannot read the header");
+  }
+  try {
+    config_ = validate_header(header, path);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  const std::size_t expected = checkpoint_bytes(config_);
+  if (size != expected) {
+    ::close(fd);
+    fail(path, "file is " + std::to_string(size) + " bytes but its header (dim " + std::to_string(config_.dim) +
+                   ", hidden_dim " + std::to_string(config_.hidden_dim) + ", n_layers " +
+                   std::to_string(config_.n_layers) + ", n_heads " + std::to_string(config_.n_heads) +
+                   ", n_kv_heads " + std::to_string(config_.n_kv_heads) + ", vocab_size " +
+                   std::to_string(header[5]) + ", seq_len " + std::to_string(config_.seq_len) + ") implies " +
+                   std::to_string(expected) + " bytes" + (size < expected ? " (truncated?)" : " (trailing data?)"));
+  }
+  void* mapping = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (mapping == MAP_FAILED) fail(path, std::string("cannot map the file: ") + std::strerror(errno));
+  mapping_ = mapping;
+  bytes_ = size;
+
+  const ModelConfig& c = config_;
+  const std::size_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, L = c.n_layers;
+  const float* p = reinterpret_cast<const float*>(static_cast<const char*>(mapping) + kHeaderBytes);
+  auto take = [&p](std::size_t floats) {
+    const float* t = p;
+    p += floats;
+    return t;
+  };
+  tensors_.token_embedding = take(c.vocab_size * dim);
+  tensors_.rms_att = take(L * dim);
+  tensors_.wq = take(L * dim * dim);
+  tensors_.wk = take(L * kv_dim * dim);
+  tensors_.wv = take(L * kv_dim * dim);
+  tensors_.wo = take(L * dim * dim);
+  tensors_.rms_ffn = take(L * dim);
+  tensors_.w1 = take(L * hidden * dim);
+  tensors_.w2 = take(L * dim * hidden);
+  tensors_.w3 = take(L * hidden * dim);
+  tensors_.rms_final = take(dim);
+  take(2 * std::size_t(c.seq_len) * (c.head_dim() / 2));  // legacy RoPE tables: recomputed, never read
+  tensors_.classifier = c.shared_classifier ? tensors_.token_embedding : take(c.vocab_size * dim);
+}
+
+Checkpoint::~Checkpoint() {
+  if (mapping_) ::munmap(mapping_, bytes_);
+}
+
+Checkpoint::Checkpoint(Checkpoint&& o) noexcept
+    : path_(std::move(o.path_)), config_(o.config_), tensors_(o.tensors_), mapping_(o.mapping_), bytes_(o.bytes_) {
+  o.mapping_ = nullptr;
+  o.bytes_ = 0;
+}
+
+void write_checkpoint(const std::string& path, const ModelConfig& c, const HostWeights& w) {
+  const std::size_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, L = c.n_layers;
+  const std::size_t vocab = c.vocab_size;
+  struct Expect {
+    const char* name;
+    const std::vector<float>& tensor;
+    std::size_t floats;
+  };
+  const Expect tensors[] = {{"token_embedding", w.token_embedding, vocab * dim},
+                            {"rms_att", w.rms_att, L * dim},
+                            {"wq", w.wq, L * dim * dim},
+                            {"wk", w.wk, L * kv_dim * dim},
+                            {"wv", w.wv, L * kv_dim * dim},
+                            {"wo", w.wo, L * dim * dim},
+                            {"rms_ffn", w.rms_ffn, L * dim},
+                            {"w1", w.w1, L * hidden * dim},
+                            {"w2", w.w2, L * dim * hidden},
+                            {"w3", w.w3, L * hidden * dim},
+                            {"rms_final", w.rms_final, dim},
+                            {"classifier", w.classifier, c.shared_classifier ? 0 : vocab * dim}};
+  for (const Expect& e : tensors)
+    if (e.tensor.size() != e.floats)
+      fail(path, std::string("cannot write: tensor ") + e.name + " holds " + std::to_string(e.tensor.size()) +
+                     " floats, the configuration needs " + std::to_string(e.floats));
+  const int header[7] = {c.dim,        c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads,
+                         c.shared_classifier ? c.vocab_size : -c.vocab_size, c.seq_len};
+  validate_header(header, path);
+
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) fail(path, std::string("cannot open for writing: ") + std::strerror(errno));
+  auto put = [&out](const float* data, std::size_t floats) {
+    out.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(floats * sizeof(float)));
+  };
+  out.write(reinterpret_cast<const char*>(header), sizeof header);
+  for (int i = 0; i < 11; ++i) put(tensors[i].tensor.data(), tensors[i].floats);
+  // The two legacy tables llama2.c once read: cos then sin of every (position, pair). Kept for the format.
+  const int pairs = c.head_dim() / 2;
+  std::vector<float> cos_table(std::size_t(c.seq_len) * pairs), sin_table(cos_table.size());
+  for (int pos = 0; pos < c.seq_len; ++pos)
+    for (int p = 0; p < pairs; ++p) {
+      float cs[2];
+      rope_cos_sin(pos, p, c.head_dim(), cs);
+      cos_table[std::size_t(pos) * pairs + p] = cs[0];
+      sin_table[std::size_t(pos) * pairs + p] = cs[1];
+    }
+  put(cos_table.data(), cos_table.size());
+  put(sin_table.data(), sin_table.size());
+  if (!c.shared_classifier) put(w.classifier.data(), w.classifier.size());
+  out.close();
+  if (!out) fail(path, "write failed (disk full?)");
+}
+
+}  // namespace kvs

@@ -1,0 +1,67 @@
+#pragma once
+// The command line every chapter binary shares: one parser, one set of common flags, one way to fail.
+//   --help, --model PATH, --prompt TEXT | --prompt-file PATH, --max-new-tokens N, --temperature T,
+//   --top-k K, --seed S, --threads N, --csv PATH
+// A chapter adds its own flags to the same parser. Text goes to stdout; everything else to stderr.
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace kvs {
+
+class ArgParser {
+ public:
+  ArgParser(std::string program, std::string description);
+
+  void add_string(const std::string& name, const std::string& value_name, const std::string& help, std::string* target);
+  void add_int(const std::string& name, const std::string& help, int* target, int min, int max);
+  void add_u64(const std::string& name, const std::string& help, std::uint64_t* target);
+  void add_float(const std::string& name, const std::string& help, float* target, float min, float max);
+  void add_switch(const std::string& name, const std::string& help, bool* target);
+
+  struct Outcome {
+    bool help = false;  // --help was given
+    std::string error;  // one line naming the bad flag or value; empty when all was well
+  };
+  // Parses argv into the targets without printing or exiting.
+  Outcome try_parse(int argc, const char* const* argv) const;
+  // Parses argv. --help prints the usage to stdout and exits 0; an unknown flag or a bad value prints one
+  // line naming it (and how to get help) to stderr and exits 2. Returns normally only on success.
+  void parse(int argc, const char* const* argv) const;
+  std::string usage() const;
+
+ private:
+  struct Flag {
+    std::string name, value_name, help;
+    std::function<std::string(const std::string&)> set;  // returns an error message, empty on success
+  };
+  const Flag* find(const std::string& name) const;
+  std::string program_, description_;
+  std::vector<Flag> flags_;
+};
+
+struct CommonOptions {
+  std::string model;  // empty: the shipped model
+  std::string prompt;
+  std::string prompt_file;
+  int max_new_tokens = 200;
+  float temperature = 0.0f;
+  int top_k = 0;
+  std::uint64_t seed = 42;
+  int threads = 0;  // 0: every core
+  std::string csv;
+};
+
+// Registers the common flags; `defaults` provides the values shown in --help.
+void add_common_flags(ArgParser& parser, CommonOptions& options);
+
+// The checkpoint to load: --model, or the shipped model found next to the sources or the binary.
+std::string resolve_model_path(const CommonOptions& options);
+// The prompt's bytes: --prompt, --prompt-file, or the given default. Throws std::runtime_error.
+std::string resolve_prompt(const CommonOptions& options, const std::string& default_prompt);
+
+// Runs a chapter's body; prints "error: <what>" for any exception and returns exit code 1.
+int run_main(const std::function<int()>& body);
+
+}  // namespace kvs

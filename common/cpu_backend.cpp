@@ -1,0 +1,142 @@
+#include "cpu_backend.h"
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <thread>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "rope.h"
+
+namespace kvs {
+namespace {
+
+using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using Strided = Eigen::OuterStride<>;
+constexpr float kRmsEps = 1e-5f;
+
+}  // namespace
+
+CpuBackend::CpuBackend(int threads)
+    : threads_(threads > 0 ? threads : std::max(1u, std::thread::hardware_concurrency())) {
+  Eigen::setNbThreads(threads_);
+#ifdef _OPENMP
+  omp_set_num_threads(threads_);
+#endif
+}
+
+float* CpuBackend::allocate(std::size_t floats) {
+  auto* p = static_cast<float*>(Eigen::internal::aligned_malloc(std::max<std::size_t>(floats, 1) * sizeof(float)));
+  std::memset(p, 0, floats * sizeof(float));
+  return p;
+}
+
+void CpuBackend::release(float* p) { Eigen::internal::aligned_free(p); }
+
+void CpuBackend::copy(float* dst, const float* src, std::size_t floats) {
+  if (dst != src) std::memmove(dst, src, floats * sizeof(float));
+}
+
+std::size_t CpuBackend::attention_scratch_floats(const AttentionShape& shape, int max_rows) const {
+  return std::size_t(shape.n_heads) * kQueryBlock * max_rows;
+}
+
+void CpuBackend::embed(float* x, const float* table, std::span<const int> tokens, int dim) {
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    std::memcpy(x + i * dim, table + std::size_t(tokens[i]) * dim, dim * sizeof(float));
+}
+
+void CpuBackend::matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) {
+  Eigen::Map<const RowMajor> W(w, d_out, d_in);
+  Eigen::Map<const RowMajor> X(x, n, d_in);
+  Eigen::Map<RowMajor> Out(out, n, d_out);
+  // One position is a matrix-vector product (Eigen dispatches it to GEMV), many are a GEMM.
+  Out.noalias() = X * W.transpose();
+}
+
+void CpuBackend::rmsnorm(float* out, const float* x, const float* weight, int n, int dim) {
+  Eigen::Map<const Eigen::VectorXf> w(weight, dim);
+  for (int i = 0; i < n; ++i) {
+    Eigen::Map<const Eigen::VectorXf> xi(x + std::size_t(i) * dim, dim);
+    const float inv_rms = 1.0f / std::sqrt(xi.squaredNorm() / dim + kRmsEps);
+    Eigen::Map<Eigen::VectorXf>(out + std::size_t(i) * dim, dim) = (xi * inv_rms).cwiseProduct(w);
+  }
+}
+
+void CpuBackend::rope_table(float* table, int pos, int n, int head_dim) {
+  const int pairs = head_dim / 2;
+  for (int i = 0; i < n; ++i)
+    for (int p = 0; p < pairs; ++p) rope_cos_sin(pos + i, p, head_dim, table + (std::size_t(i) * pairs + p) * 2);
+}
+
+void CpuBackend::rope(float* x, const float* table, int n, int heads, int head_dim) {
+  const int pairs = head_dim / 2;
+  for (int i = 0; i < n; ++i)
+    for (int h = 0; h < heads; ++h) {
+      float* head = x + (std::size_t(i) * heads + h) * head_dim;
+      for (int p = 0; p < pairs; ++p) rope_rotate(head + 2 * p, table + (std::size_t(i) * pairs + p) * 2);
+    }
+}
+
+void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvView& kv,
+                           const AttentionShape& shape, float* scratch) {
+  const int head_dim = shape.head_dim, dim = shape.n_heads * head_dim;
+  const int group = shape.n_heads / shape.n_kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+
+#pragma omp parallel for schedule(static) if (shape.n_heads > 1 && threads_ > 1)
+  for (int h = 0; h < shape.n_heads; ++h) {
+    const int kv_head = h / group;  // the KV head this query head reads
+    float* scores_mem = scratch + std::size_t(h) * kQueryBlock * kv.rows;
+    for (int q0 = 0; q0 < n; q0 += kQueryBlock) {
+      const int nq = std::min(kQueryBlock, n - q0);
+      // Rows of a contiguous view hold increasing positions: rows past the block's last query position
+      // are future for every query of the block, so they are not even multiplied.
+      int rows = kv.rows;
+      if (!kv.row_positions) rows = std::clamp(pos + q0 + nq - kv.first_position, 0, kv.rows);
+      Eigen::Map<const RowMajor, 0, Strided> K(kv.keys + kv_head * head_dim, rows, head_dim, Strided(kv.row_stride));
+      Eigen::Map<const RowMajor, 0, Strided> V(kv.values + kv_head * head_dim, rows, head_dim, Strided(kv.row_stride));
+      Eigen::Map<const RowMajor, 0, Strided> Q(q + std::size_t(q0) * dim + h * head_dim, nq, head_dim, Strided(dim));
+      Eigen::Map<RowMajor, 0, Strided> O(out + std::size_t(q0) * dim + h * head_dim, nq, head_dim, Strided(dim));
+      Eigen::Map<RowMajor> S(scores_mem, nq, rows);  // (nq, rows)
+      S.noalias() = (Q * K.transpose()) * scale;
+      for (int i = 0; i < nq; ++i) {
+        float* s = S.row(i).data();
+        const int query_pos = pos + q0 + i;
+        float max_score = minus_inf;
+        for (int r = 0; r < rows; ++r) {
+          if (!key_visible(query_pos, kv.position_of(r), kv.window)) s[r] = minus_inf;
+          max_score = std::max(max_score, s[r]);
+        }
+        if (max_score == minus_inf) {  // nothing visible (only a deliberately broken cache gets here)
+          std::fill(s, s + rows, 0.0f);
+          continue;
+        }
+        float sum = 0.0f;
+        for (int r = 0; r < rows; ++r) sum += (s[r] = std::exp(s[r] - max_score));
+        const float inv_sum = 1.0f / sum;
+        for (int r = 0; r < rows; ++r) s[r] *= inv_sum;
+      }
+      O.noalias() = S * V;
+    }
+  }
+}
+
+void CpuBackend::swiglu(float* gate, const float* up, std::size_t count) {
+  for (std::size_t i = 0; i < count; ++i) {
+    const float g = gate[i];
+    gate[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
+void CpuBackend::add(float* x, const float* y, std::size_t count) {
+  Eigen::Map<Eigen::VectorXf>(x, count) += Eigen::Map<const Eigen::VectorXf>(y, count);
+}
+
+}  // namespace kvs

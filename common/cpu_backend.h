@@ -1,0 +1,41 @@
+#pragma once
+// The CPU backend: Eigen maps over the weights (no copies), Eigen's GEMM for many positions and GEMV for
+// one, OpenMP across attention heads.
+#include "backend.h"
+
+namespace kvs {
+
+class CpuBackend final : public Backend {
+ public:
+  // threads: cores for Eigen's matrix products and attention heads (0 = all cores).
+  explicit CpuBackend(int threads = 0);
+  const char* name() const override { return "cpu (Eigen)"; }
+  int threads() const { return threads_; }
+
+  float* allocate(std::size_t floats) override;
+  void release(float* p) override;
+  const float* upload_weights(const float* host, std::size_t) override { return host; }
+  void copy(float* dst, const float* src, std::size_t floats) override;
+  void to_host(float* host, const float* src, std::size_t floats) override { copy(host, src, floats); }
+  void from_host(float* dst, const float* host, std::size_t floats) override { copy(dst, host, floats); }
+  std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows) const override;
+
+  void embed(float* x, const float* table, std::span<const int> tokens, int dim) override;
+  void matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) override;
+  void rmsnorm(float* out, const float* x, const float* weight, int n, int dim) override;
+  void rope_table(float* table, int pos, int n, int head_dim) override;
+  void rope(float* x, const float* table, int n, int heads, int head_dim) override;
+  void attention(float* out, const float* q, int pos, int n, const KvView& kv, const AttentionShape& shape,
+                 float* scratch) override;
+  void swiglu(float* gate, const float* up, std::size_t count) override;
+  void add(float* x, const float* y, std::size_t count) override;
+
+  // Queries per attention block: scores are computed for this many queries at a time, so the scratch
+  // is (n_heads, kQueryBlock, max_rows) whatever the prompt length.
+  static constexpr int kQueryBlock = 64;
+
+ private:
+  int threads_;
+};
+
+}  // namespace kvs

@@ -1,0 +1,111 @@
+#include "model.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace kvs {
+
+Model::Model(const Checkpoint& checkpoint, Backend& backend, int max_tokens_per_call, int max_kv_rows)
+    : config_(checkpoint.config()),
+      backend_(backend),
+      max_tokens_(max_tokens_per_call > 0 ? max_tokens_per_call : config_.seq_len),
+      max_kv_rows_(max_kv_rows > 0 ? max_kv_rows : config_.seq_len),
+      call_local_(config_.kv_dim()) {
+  const ModelConfig& c = config_;
+  const TensorPointers& t = checkpoint.tensors();
+  const std::size_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, vocab = c.vocab_size;
+  auto upload = [&](const float* host, std::size_t floats) { return backend.upload_weights(host, floats); };
+
+  token_embedding_ = upload(t.token_embedding, vocab * dim);
+  for (int l = 0; l < c.n_layers; ++l) {
+    layers_.push_back(LayerWeights{
+        .rms_att = upload(t.rms_att + l * dim, dim),
+        .wq = upload(t.wq + l * dim * dim, dim * dim),
+        .wk = upload(t.wk + l * kv_dim * dim, kv_dim * dim),
+        .wv = upload(t.wv + l * kv_dim * dim, kv_dim * dim),
+        .wo = upload(t.wo + l * dim * dim, dim * dim),
+        .rms_ffn = upload(t.rms_ffn + l * dim, dim),
+        .w1 = upload(t.w1 + l * hidden * dim, hidden * dim),
+        .w2 = upload(t.w2 + l * dim * hidden, dim * hidden),
+        .w3 = upload(t.w3 + l * hidden * dim, hidden * dim),
+    });
+  }
+  rms_final_ = upload(t.rms_final, dim);
+  classifier_ = c.shared_classifier ? token_embedding_ : upload(t.classifier, vocab * dim);
+
+  const std::size_t n = max_tokens_;
+  x_ = Buffer(backend, n * dim);
+  xb_ = Buffer(backend, n * dim);
+  q_ = Buffer(backend, n * dim);
+  k_ = Buffer(backend, n * kv_dim);
+  v_ = Buffer(backend, n * kv_dim);
+  att_ = Buffer(backend, n * dim);
+  hb_ = Buffer(backend, n * hidden);
+  hb2_ = Buffer(backend, n * hidden);
+  rope_ = Buffer(backend, n * c.head_dim());
+  logits_ = Buffer(backend, n * vocab);
+  const AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim()};
+  scratch_ = Buffer(backend, backend.attention_scratch_floats(shape, max_kv_rows_));
+  host_logits_.resize(n * vocab);
+}
+
+std::span<const float> Model::forward(std::span<const int> tokens, int pos, KvCache* cache, Logits which) {
+  const ModelConfig& c = config_;
+  const int n = static_cast<int>(tokens.size());
+  if (n < 1 || n > max_tokens_)
+    throw std::invalid_argument("forward: " + std::to_string(n) + " tokens in one call; this model was set up for 1 to " +
+                                std::to_string(max_tokens_));
+  if (pos < 0) throw std::invalid_argument("forward: negative position " + std::to_string(pos));
+  for (int token : tokens)
+    if (token < 0 || token >= c.vocab_size)
+      throw std::invalid_argument("forward: token id " + std::to_string(token) + " is outside the vocabulary [0, " +
+                                  std::to_string(c.vocab_size) + ")");
+  KvCache& kv = cache ? *cache : call_local_;
+  const AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim()};
+  const int dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim;
+  Backend& b = backend_;
+  float *x = x_.data(), *xb = xb_.data(), *q = q_.data(), *k = k_.data(), *v = v_.data();
+  float *att = att_.data(), *hb = hb_.data(), *hb2 = hb2_.data(), *rope = rope_.data();
+
+  kv.prepare(pos, n);
+  b.embed(x, token_embedding_, tokens, dim);          // x (n, dim) = embedding rows of the tokens
+  b.rope_table(rope, pos, n, c.head_dim());           // rope (n, head_dim/2, 2)
+
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& w = layers_[l];
+    // attention: x += Wo · attention(RoPE(Wq · norm(x)), RoPE(Wk · norm(x)), Wv · norm(x))
+    b.rmsnorm(xb, x, w.rms_att, n, dim);              // xb (n, dim)
+    b.matmul(q, xb, w.wq, n, dim, dim);               // q (n, n_heads · head_dim)
+    b.matmul(k, xb, w.wk, n, dim, kv_dim);            // k (n, n_kv_heads · head_dim)
+    b.matmul(v, xb, w.wv, n, dim, kv_dim);            // v (n, n_kv_heads · head_dim)
+    b.rope(q, rope, n, c.n_heads, c.head_dim());
+    b.rope(k, rope, n, c.n_kv_heads, c.head_dim());
+    kv.write(l, pos, n, k, v);                        // the cache keeps what later positions will read
+    const KvView visible = kv.view(l);                // (rows, kv_dim) keys and values
+    if (visible.rows > max_kv_rows_)
+      throw std::invalid_argument("forward: the cache shows " + std::to_string(visible.rows) +
+                                  " rows; this model was set up for at most " + std::to_string(max_kv_rows_));
+    b.attention(att, q, pos, n, visible, shape, scratch_.data());  // att (n, dim)
+    b.matmul(xb, att, w.wo, n, dim, dim);             // xb (n, dim)
+    b.add(x, xb, std::size_t(n) * dim);
+
+    // MLP: x += W2 · (silu(W1 · norm(x)) ⊙ W3 · norm(x))
+    b.rmsnorm(xb, x, w.rms_ffn, n, dim);              // xb (n, dim)
+    b.matmul(hb, xb, w.w1, n, dim, hidden);           // hb (n, hidden)
+    b.matmul(hb2, xb, w.w3, n, dim, hidden);          // hb2 (n, hidden)
+    b.swiglu(hb, hb2, std::size_t(n) * hidden);       // hb (n, hidden)
+    b.matmul(xb, hb, w.w2, n, hidden, dim);           // xb (n, dim)
+    b.add(x, xb, std::size_t(n) * dim);
+  }
+
+  // logits = classifier · norm(x), for the last position or for all of them
+  const int first = which == Logits::kLastPosition ? n - 1 : 0;
+  const int rows = n - first;
+  b.rmsnorm(xb, x + std::size_t(first) * dim, rms_final_, rows, dim);  // xb (rows, dim)
+  b.matmul(logits_.data(), xb, classifier_, rows, dim, c.vocab_size);  // logits (rows, vocab)
+  const std::size_t count = std::size_t(rows) * c.vocab_size;
+  b.to_host(host_logits_.data(), logits_.data(), count);
+  return {host_logits_.data(), count};
+}
+
+}  // namespace kvs

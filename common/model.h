@@ -1,0 +1,61 @@
+#pragma once
+// The small GPT: a Llama-style decoder, computing exactly what llama2.c's run.c computes.
+#include <span>
+#include <vector>
+
+#include "backend.h"
+#include "checkpoint.h"
+#include "kv_cache.h"
+
+namespace kvs {
+
+enum class Logits { kLastPosition, kAllPositions };
+
+class Model {
+ public:
+  // The model reads its weights through `backend` (the CPU reads the mapped checkpoint in place, so the
+  // checkpoint must outlive the model). All working buffers are allocated here, once, for calls of up to
+  // max_tokens_per_call positions and attention views of up to max_kv_rows rows (0 = the model's seq_len).
+  Model(const Checkpoint& checkpoint, Backend& backend, int max_tokens_per_call = 0, int max_kv_rows = 0);
+
+  // Runs the model on `tokens` at positions pos .. pos + n - 1 and returns their logits on the host:
+  // (1, vocab) for the last position or (n, vocab) for all of them. Keys and values go through `cache`;
+  // with no cache, attention sees only this call's tokens (so pos = 0 with the whole sequence is the
+  // naive full recompute). Allocates nothing. Throws std::invalid_argument for a call that does not fit.
+  std::span<const float> forward(std::span<const int> tokens, int pos, KvCache* cache = nullptr,
+                                 Logits which = Logits::kLastPosition);
+
+  const ModelConfig& config() const { return config_; }
+  Backend& backend() { return backend_; }
+  int max_tokens_per_call() const { return max_tokens_; }
+  int max_kv_rows() const { return max_kv_rows_; }
+
+ private:
+  struct LayerWeights {
+    const float *rms_att, *wq, *wk, *wv, *wo, *rms_ffn, *w1, *w2, *w3;
+  };
+  ModelConfig config_;
+  Backend& backend_;
+  int max_tokens_, max_kv_rows_;
+  const float* token_embedding_;  // (vocab, dim)
+  std::vector<LayerWeights> layers_;
+  const float* rms_final_;   // (dim)
+  const float* classifier_;  // (vocab, dim)
+
+  // Working buffers; N = max_tokens_per_call.
+  Buffer x_;         // (N, dim)        the residual stream
+  Buffer xb_;        // (N, dim)        normalised input of a sub-layer, then its output
+  Buffer q_;         // (N, dim)        queries, n_heads heads of head_dim
+  Buffer k_;         // (N, kv_dim)     keys of the new positions, n_kv_heads heads of head_dim
+  Buffer v_;         // (N, kv_dim)     values of the new positions
+  Buffer att_;       // (N, dim)        attention output, heads side by side
+  Buffer hb_;        // (N, hidden)     w1·x, then silu(w1·x) ⊙ w3·x
+  Buffer hb2_;       // (N, hidden)     w3·x
+  Buffer rope_;      // (N, head_dim/2, 2)  [cos, sin] per position and pair
+  Buffer logits_;    // (N, vocab)
+  Buffer scratch_;   // attention scores, sized by the backend
+  std::vector<float> host_logits_;  // (N, vocab)
+  CallLocalKv call_local_;
+};
+
+}  // namespace kvs

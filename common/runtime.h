@@ -1,0 +1,65 @@
+#pragma once
+// What every chapter sets up the same way: the checkpoint, the CPU backend, the model, the prompt's
+// tokens and the sampler, checked against each other before anything runs.
+#include <cstdio>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "checkpoint.h"
+#include "cli.h"
+#include "cpu_backend.h"
+#include "model.h"
+#include "sampler.h"
+
+namespace kvs {
+
+class Runtime {
+ public:
+  // Throws std::runtime_error (or CheckpointError) with a one-line reason when something does not fit.
+  Runtime(const CommonOptions& options, const std::string& default_prompt, int max_tokens_per_call = 0);
+  Runtime(const Runtime&) = delete;
+
+  // One line for stderr: model shape, backend and threads.
+  std::string describe() const;
+
+  Checkpoint checkpoint;
+  CpuBackend backend;
+  Model model;
+  std::vector<int> prompt;  // the prompt's tokens (bytes)
+  Sampler sampler;
+};
+
+// Writes one generated token's byte to stdout at once, so the text streams as it is produced.
+inline void emit_token(int token) {
+  std::fputc(token, stdout);
+  std::fflush(stdout);
+}
+
+// A CSV file opened before the work starts (so a bad path fails early); with an empty path it writes
+// nothing.
+class CsvWriter {
+ public:
+  CsvWriter(const std::string& path, const std::string& header) : path_(path) {
+    if (path.empty()) return;
+    out_.open(path, std::ios::trunc);
+    if (!out_) throw std::runtime_error("cannot write --csv " + path);
+    out_ << header << '\n';
+  }
+  template <typename... Values>
+  void row(const Values&... values) {
+    if (!out_.is_open()) return;
+    const char* sep = "";
+    ((out_ << sep << values, sep = ","), ...);
+    out_ << '\n';
+  }
+  bool enabled() const { return out_.is_open(); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+}  // namespace kvs

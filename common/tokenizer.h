@@ -1,0 +1,28 @@
+#pragma once
+// Byte-level tokenizer of the shipped model: token id = byte value, vocabulary 256. Lossless for any
+// input bytes, UTF-8 or not; a multi-byte character simply takes several tokens.
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvs {
+
+inline constexpr int kByteVocab = 256;
+
+inline std::vector<int> encode_bytes(std::string_view text) {
+  std::vector<int> ids;
+  ids.reserve(text.size());
+  for (unsigned char byte : text) ids.push_back(byte);
+  return ids;
+}
+
+inline char decode_byte(int id) { return static_cast<char>(static_cast<unsigned char>(id)); }
+
+inline std::string decode_bytes(const std::vector<int>& ids) {
+  std::string text;
+  text.reserve(ids.size());
+  for (int id : ids) text.push_back(decode_byte(id));
+  return text;
+}
+
+}  // namespace kvs

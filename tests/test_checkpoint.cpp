@@ -1,0 +1,154 @@
+// The loader rejects every malformed file with its own one-line message, and the writer round-trips.
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "checkpoint.h"
+#include "test_util.h"
+
+using namespace kvs;
+using kvs::test::TempDir;
+
+namespace {
+
+const ModelConfig kSmall{.dim = 32, .hidden_dim = 40, .n_layers = 2, .n_heads = 4, .n_kv_heads = 2,
+                         .vocab_size = 50, .seq_len = 16, .shared_classifier = false};
+
+// The message the loader gives for `path`, or "" if it loads.
+std::string load_error(const std::string& path) {
+  try {
+    Checkpoint checkpoint(path);
+    return "";
+  } catch (const CheckpointError& e) {
+    return e.what();
+  }
+}
+
+// A file with the given header followed by `floats` zero floats.
+void write_raw(const std::string& path, const int (&header)[7], std::size_t floats) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(header), sizeof header);
+  const std::vector<float> zeros(floats);
+  out.write(reinterpret_cast<const char*>(zeros.data()), floats * sizeof(float));
+}
+
+}  // namespace
+
+TEST_CASE("checkpoint: writer -> loader round trip keeps the header and every tensor bit for bit") {
+  TempDir dir;
+  for (bool shared : {true, false}) {
+    ModelConfig c = kSmall;
+    c.shared_classifier = shared;
+    const HostWeights w = kvs::test::random_weights(c, 7);
+    const std::string path = dir.file(shared ? "shared.bin" : "separate.bin");
+    write_checkpoint(path, c, w);
+    const Checkpoint loaded(path);
+    const ModelConfig& l = loaded.config();
+    CHECK(l.dim == c.dim);
+    CHECK(l.hidden_dim == c.hidden_dim);
+    CHECK(l.n_layers == c.n_layers);
+    CHECK(l.n_heads == c.n_heads);
+    CHECK(l.n_kv_heads == c.n_kv_heads);
+    CHECK(l.vocab_size == c.vocab_size);
+    CHECK(l.seq_len == c.seq_len);
+    CHECK(l.shared_classifier == shared);
+    CHECK(loaded.file_bytes() == checkpoint_bytes(c));
+    const TensorPointers& t = loaded.tensors();
+    auto same = [](const float* p, const std::vector<float>& v) {
+      return std::memcmp(p, v.data(), v.size() * sizeof(float)) == 0;
+    };
+    CHECK(same(t.token_embedding, w.token_embedding));
+    CHECK(same(t.rms_att, w.rms_att));
+    CHECK(same(t.wq, w.wq));
+    CHECK(same(t.wk, w.wk));
+    CHECK(same(t.wv, w.wv));
+    CHECK(same(t.wo, w.wo));
+    CHECK(same(t.rms_ffn, w.rms_ffn));
+    CHECK(same(t.w1, w.w1));
+    CHECK(same(t.w2, w.w2));
+    CHECK(same(t.w3, w.w3));
+    CHECK(same(t.rms_final, w.rms_final));
+    if (shared) CHECK(t.classifier == t.token_embedding);
+    else CHECK(same(t.classifier, w.classifier));
+  }
+}
+
+TEST_CASE("checkpoint: the writer refuses tensors of the wrong size") {
+  TempDir dir;
+  HostWeights w = kvs::test::random_weights(kSmall, 1);
+  w.wk.pop_back();
+  CHECK_THROWS_WITH_AS(write_checkpoint(dir.file("x.bin"), kSmall, w), doctest::Contains("tensor wk holds"),
+                       CheckpointError);
+}
+
+TEST_CASE("checkpoint: malformed files are rejected, each with its own message naming the file") {
+  TempDir dir;
+  const std::string good = dir.file("good.bin");
+  write_checkpoint(good, kSmall, kvs::test::random_weights(kSmall, 3));
+  const auto good_bytes = std::filesystem::file_size(good);
+  const std::size_t good_floats = (good_bytes - 28) / 4;
+  REQUIRE(load_error(good).empty());
+
+  SUBCASE("missing file") {
+    const std::string e = load_error(dir.file("nope.bin"));
+    CHECK(e.find("nope.bin: cannot open") != std::string::npos);
+  }
+  SUBCASE("shorter than the header") {
+    const std::string p = dir.file("tiny.bin");
+    std::ofstream(p, std::ios::binary) << "abc";
+    CHECK(load_error(p).find("tiny.bin: file is 3 bytes, smaller than the 28-byte header") != std::string::npos);
+  }
+  SUBCASE("truncated") {
+    const std::string p = dir.file("truncated.bin");
+    std::filesystem::copy_file(good, p);
+    std::filesystem::resize_file(p, good_bytes - 4);
+    const std::string e = load_error(p);
+    CHECK(e.find("truncated.bin: file is " + std::to_string(good_bytes - 4) + " bytes but its header") !=
+          std::string::npos);
+    CHECK(e.find("implies " + std::to_string(good_bytes) + " bytes (truncated?)") != std::string::npos);
+  }
+  SUBCASE("header and size disagree") {
+    const std::string p = dir.file("long.bin");
+    const int header[7] = {32, 40, 3, 4, 2, -50, 16};  // one layer more than the data holds
+    write_raw(p, header, good_floats);
+    CHECK(load_error(p).find("long.bin: file is " + std::to_string(good_bytes)) != std::string::npos);
+    const std::string trailing = dir.file("trailing.bin");
+    std::filesystem::copy_file(good, trailing);
+    std::ofstream(trailing, std::ios::binary | std::ios::app) << "xxxx";
+    CHECK(load_error(trailing).find("(trailing data?)") != std::string::npos);
+  }
+  SUBCASE("zero dim") {
+    const std::string p = dir.file("zero.bin");
+    write_raw(p, {0, 40, 2, 4, 2, 50, 16}, good_floats);
+    CHECK(load_error(p) == p + ": header field dim = 0 must be positive (is this a llama2.c version-0 checkpoint?)");
+  }
+  SUBCASE("negative dims") {
+    const std::string p = dir.file("negative.bin");
+    write_raw(p, {32, 40, -2, 4, 2, 50, 16}, good_floats);
+    CHECK(load_error(p).find("header field n_layers = -2 must be positive") != std::string::npos);
+    write_raw(p, {32, 40, 2, 4, 2, 50, -16}, good_floats);
+    CHECK(load_error(p).find("header field seq_len = -16 must be positive") != std::string::npos);
+  }
+  SUBCASE("absurdly large dims") {
+    const std::string p = dir.file("huge.bin");
+    write_raw(p, {32, 40, 2, 4, 2, 50, 1 << 30}, good_floats);
+    CHECK(load_error(p).find("header field seq_len = 1073741824 is larger than the limit") != std::string::npos);
+  }
+  SUBCASE("n_heads not divisible by n_kv_heads") {
+    const std::string p = dir.file("kv.bin");
+    write_raw(p, {32, 40, 2, 4, 3, 50, 16}, good_floats);
+    CHECK(load_error(p) == p + ": header field n_kv_heads = 3 must divide n_heads = 4");
+  }
+  SUBCASE("dim not divisible by n_heads") {
+    const std::string p = dir.file("heads.bin");
+    write_raw(p, {30, 40, 2, 4, 2, 50, 16}, good_floats);
+    CHECK(load_error(p) == p + ": header field dim = 30 must be a multiple of n_heads = 4");
+  }
+  SUBCASE("odd head_dim") {
+    const std::string p = dir.file("odd.bin");
+    write_raw(p, {36, 40, 2, 4, 2, 50, 16}, good_floats);
+    CHECK(load_error(p) == p + ": head_dim = dim / n_heads = 9 must be even (RoPE rotates pairs of dimensions)");
+  }
+}
