@@ -21,7 +21,7 @@ class Backend {
   virtual const char* name() const = 0;
 
   // ---- memory ----
-  virtual float* allocate(std::size_t floats) = 0;  // zero-filled
+  virtual float* allocate(std::size_t floats) = 0;  // uninitialised
   virtual void release(float* p) = 0;
   // Weights the operations can read. The CPU reads the mapped file in place; a GPU copies it over.
   virtual const float* upload_weights(const float* host, std::size_t floats) = 0;

@@ -31,9 +31,9 @@ CpuBackend::CpuBackend(int threads)
 }
 
 float* CpuBackend::allocate(std::size_t floats) {
-  auto* p = static_cast<float*>(Eigen::internal::aligned_malloc(std::max<std::size_t>(floats, 1) * sizeof(float)));
-  std::memset(p, 0, floats * sizeof(float));
-  return p;
+  // Uninitialised, like malloc: every buffer is written before it is read, and the operating system
+  // only backs pages with memory when they are first written (chapter 03 measures that).
+  return static_cast<float*>(Eigen::internal::aligned_malloc(std::max<std::size_t>(floats, 1) * sizeof(float)));
 }
 
 void CpuBackend::release(float* p) { Eigen::internal::aligned_free(p); }
@@ -90,8 +90,7 @@ void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvV
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const float minus_inf = -std::numeric_limits<float>::infinity();
 
-#pragma omp parallel for schedule(static) if (shape.n_heads > 1 && threads_ > 1)
-  for (int h = 0; h < shape.n_heads; ++h) {
+  auto one_head = [&](int h) {
     const int kv_head = h / group;  // the KV head this query head reads
     float* scores_mem = scratch + std::size_t(h) * kQueryBlock * kv.rows;
     for (int q0 = 0; q0 < n; q0 += kQueryBlock) {
@@ -105,13 +104,15 @@ void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvV
       Eigen::Map<const RowMajor, 0, Strided> Q(q + std::size_t(q0) * dim + h * head_dim, nq, head_dim, Strided(dim));
       Eigen::Map<RowMajor, 0, Strided> O(out + std::size_t(q0) * dim + h * head_dim, nq, head_dim, Strided(dim));
       Eigen::Map<RowMajor> S(scores_mem, nq, rows);  // (nq, rows)
-      S.noalias() = (Q * K.transpose()) * scale;
+      // The scale is applied in the masking loop below: folded into the product, it makes Eigen allocate
+      // a temporary for a single query, i.e. on every decode step.
+      S.noalias() = Q * K.transpose();
       for (int i = 0; i < nq; ++i) {
         float* s = S.row(i).data();
         const int query_pos = pos + q0 + i;
         float max_score = minus_inf;
         for (int r = 0; r < rows; ++r) {
-          if (!key_visible(query_pos, kv.position_of(r), kv.window)) s[r] = minus_inf;
+          s[r] = key_visible(query_pos, kv.position_of(r), kv.window) ? s[r] * scale : minus_inf;
           max_score = std::max(max_score, s[r]);
         }
         if (max_score == minus_inf) {  // nothing visible (only a deliberately broken cache gets here)
@@ -125,6 +126,14 @@ void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvV
       }
       O.noalias() = S * V;
     }
+  };
+  // Heads are independent: one per thread. A one-thread OpenMP region is avoided, not just disabled with
+  // if(): libgomp allocates a team for it on every call, i.e. on every decode step.
+  if (threads_ > 1 && shape.n_heads > 1) {
+#pragma omp parallel for schedule(static)
+    for (int h = 0; h < shape.n_heads; ++h) one_head(h);
+  } else {
+    for (int h = 0; h < shape.n_heads; ++h) one_head(h);
   }
 }
 

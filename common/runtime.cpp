@@ -24,7 +24,7 @@ Runtime::Runtime(const CommonOptions& options, const std::string& default_prompt
       backend(options.threads),
       model(checkpoint, backend, max_tokens_per_call),
       prompt(encode_bytes(resolve_prompt(options, default_prompt))),
-      sampler(checkpoint.config().vocab_size, {options.temperature, options.top_k, options.seed}) {
+      sampling{options.temperature, options.top_k, options.seed} {
   const int context = checkpoint.config().seq_len;
   if (prompt.empty()) throw std::runtime_error("the prompt is empty; pass --prompt TEXT");
   if (static_cast<long>(prompt.size()) + options.max_new_tokens > context)

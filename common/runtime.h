@@ -24,11 +24,14 @@ class Runtime {
   // One line for stderr: model shape, backend and threads.
   std::string describe() const;
 
+  // A sampler at the start of its random sequence: every run of a comparison gets a fresh one.
+  Sampler new_sampler() const { return Sampler(checkpoint.config().vocab_size, sampling); }
+
   Checkpoint checkpoint;
   CpuBackend backend;
   Model model;
   std::vector<int> prompt;  // the prompt's tokens (bytes)
-  Sampler sampler;
+  SamplerSettings sampling;
 };
 
 // Writes one generated token's byte to stdout at once, so the text streams as it is produced.

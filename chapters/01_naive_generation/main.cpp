@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cli.h"
+#include "generate.h"
 #include "runtime.h"
 #include "timing.h"
 
@@ -28,8 +29,10 @@ void print_report(const std::vector<double>& step_ms, int prompt_tokens, double 
     std::fprintf(stderr, "%8d %10d %12.3f\n", s, prompt_tokens + s, step_ms[s]);
   if ((steps - 1) % stride != 0)
     std::fprintf(stderr, "%8d %10d %12.3f\n", steps - 1, prompt_tokens + steps - 1, step_ms.back());
-  std::fprintf(stderr, "\n%d tokens in %.1f ms: %.1f tokens/s; the last step took %.1fx as long as the first\n",
-               steps, total_ms, steps / (total_ms / 1000.0), step_ms.back() / step_ms.front());
+  std::fprintf(stderr, "\n%d tokens in %.1f ms: %.1f tokens/s\n", steps, total_ms, steps / (total_ms / 1000.0));
+  if (steps > 2)  // step 0 also pays for first-touch warm-up, so compare against step 1
+    std::fprintf(stderr, "time per token grew %.1fx from context %d to context %d\n", step_ms.back() / step_ms[1],
+                 prompt_tokens + 1, prompt_tokens + steps - 1);
 }
 
 }  // namespace
@@ -50,24 +53,14 @@ int main(int argc, char** argv) {
     std::cerr << rt.describe() << "\nnaive generation of " << options.max_new_tokens << " tokens after a "
               << rt.prompt.size() << "-token prompt\n\n";
 
-    std::vector<int> tokens = rt.prompt;  // (context) the prompt, then every generated token
-    tokens.reserve(rt.prompt.size() + options.max_new_tokens);
-    for (int token : tokens) kvs::emit_token(token);
-
-    std::vector<double> step_ms;
-    step_ms.reserve(options.max_new_tokens);
+    for (int token : rt.prompt) kvs::emit_token(token);
+    kvs::Sampler sampler = rt.new_sampler();
     const kvs::Stopwatch total;
-    for (int step = 0; step < options.max_new_tokens; ++step) {
-      const kvs::Stopwatch timer;
-      // The whole sequence, from position 0, no cache: every key and value is computed again.
-      const auto logits = rt.model.forward(tokens, /*pos=*/0, /*cache=*/nullptr);
-      const int next = rt.sampler.sample(logits);
-      step_ms.push_back(timer.milliseconds());
-      csv.row(step, tokens.size(), step_ms.back());
-      tokens.push_back(next);
-      kvs::emit_token(next);
-    }
+    // common/generate.cpp, generate_naive: for every new token, forward(whole sequence, pos 0, no cache).
+    const kvs::Generation g = kvs::generate_naive(rt.model, sampler, rt.prompt, options.max_new_tokens, kvs::emit_token);
     const double total_ms = total.milliseconds();
+    const std::vector<double>& step_ms = g.step_ms;
+    for (std::size_t step = 0; step < step_ms.size(); ++step) csv.row(step, rt.prompt.size() + step, step_ms[step]);
     std::cerr << "\n";
     print_report(step_ms, static_cast<int>(rt.prompt.size()), total_ms);
     if (csv.enabled()) std::cerr << "wrote " << csv.path() << "\n";

@@ -1,0 +1,89 @@
+#pragma once
+// Chapter 02's lesson: a KV cache that grows as the sequence grows.
+//
+// Each layer keeps its keys and values as (capacity, kv_dim) buffers, positions in order. When a
+// forward pass needs more positions than fit, every buffer is replaced by a larger one and the cached
+// rows are copied over - what torch.cat does on every step in a naive PyTorch cache. The growth policy
+// decides how much larger:
+//   kConcatenate  exactly the positions needed: a new allocation and a full copy on every decode step,
+//                 so the bytes copied grow with the square of the sequence length;
+//   kChunked      the positions needed plus 1024, rounded up to a multiple of 1024 (nanochat's policy,
+//                 std::vector's idea): a copy only every ~1024 steps.
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "config.h"
+#include "kv_cache.h"
+
+namespace kvs::ch02 {
+
+enum class Growth { kConcatenate, kChunked };
+
+inline const char* growth_name(Growth g) { return g == Growth::kConcatenate ? "concatenate" : "chunked"; }
+
+// The capacity (positions) a cache holding `capacity` moves to when `needed` positions must fit.
+inline int grown_capacity(Growth growth, int capacity, int needed) {
+  constexpr int kChunk = 1024;
+  if (needed <= capacity) return capacity;
+  if (growth == Growth::kConcatenate) return needed;
+  return (needed + kChunk + kChunk - 1) / kChunk * kChunk;
+}
+
+class GrowingKvCache final : public KvCache {
+ public:
+  GrowingKvCache(Backend& backend, const ModelConfig& config, Growth growth)
+      : backend_(backend), kv_dim_(config.kv_dim()), growth_(growth), keys_(config.n_layers), values_(config.n_layers) {}
+
+  void prepare(int pos, int n) override {
+    if (pos > length_)
+      throw std::invalid_argument("GrowingKvCache: position " + std::to_string(pos) + " leaves a gap after the " +
+                                  std::to_string(length_) + " cached positions");
+    const int needed = pos + n;
+    const int capacity = grown_capacity(growth_, capacity_, needed);
+    if (capacity != capacity_) {
+      for (auto* buffers : {&keys_, &values_})
+        for (Buffer& old : *buffers) {
+          Buffer bigger(backend_, std::size_t(capacity) * kv_dim_);  // (capacity, kv_dim)
+          live_bytes_ += bigger.size() * sizeof(float);
+          peak_bytes_ = std::max(peak_bytes_, live_bytes_);  // old and new are both alive right now
+          backend_.copy(bigger.data(), old.data(), std::size_t(pos) * kv_dim_);
+          bytes_copied_ += std::int64_t(pos) * kv_dim_ * sizeof(float);
+          live_bytes_ -= old.size() * sizeof(float);
+          old = std::move(bigger);
+          ++allocations_;
+        }
+      capacity_ = capacity;
+    }
+    length_ = needed;
+  }
+
+  void write(int layer, int pos, int n, const float* k, const float* v) override {
+    backend_.copy(keys_[layer].data() + std::size_t(pos) * kv_dim_, k, std::size_t(n) * kv_dim_);
+    backend_.copy(values_[layer].data() + std::size_t(pos) * kv_dim_, v, std::size_t(n) * kv_dim_);
+  }
+
+  KvView view(int layer) const override {
+    return KvView{.keys = keys_[layer].data(), .values = values_[layer].data(), .rows = length_, .row_stride = kv_dim_};
+  }
+
+  int length() const { return length_; }
+  int capacity() const { return capacity_; }
+  std::int64_t allocations() const { return allocations_; }    // buffers allocated so far
+  std::int64_t bytes_copied() const { return bytes_copied_; }  // old rows copied into new buffers
+  std::int64_t capacity_bytes() const { return live_bytes_; }  // K and V of every layer, as allocated
+  std::int64_t peak_bytes() const { return peak_bytes_; }      // most bytes alive at once (during a copy)
+
+ private:
+  Backend& backend_;
+  int kv_dim_;
+  Growth growth_;
+  std::vector<Buffer> keys_, values_;  // per layer: (capacity, kv_dim)
+  int length_ = 0, capacity_ = 0;
+  std::int64_t allocations_ = 0, bytes_copied_ = 0, live_bytes_ = 0, peak_bytes_ = 0;
+};
+
+}  // namespace kvs::ch02

@@ -1,0 +1,68 @@
+#pragma once
+// Chapter 03's lesson: one buffer for every layer's keys and values, allocated once for the longest
+// sequence the run will need, written in place by position. Nothing is allocated or copied after the
+// constructor, so the decode loop allocates nothing and every buffer keeps its address (on a GPU that is
+// what lets a whole decode step be captured once as a graph and replayed).
+//
+// Layout: [layer][K or V][position][kv_dim], i.e. per layer a (max_positions, kv_dim) block of keys and
+// one of values. Why this order:
+//  - the k and v the model computes for n new positions are (n, kv_dim) rows: a write is one contiguous
+//    copy per layer for K and one for V;
+//  - the rows attention reads are a prefix of the block, positions 0 .. length-1, in order;
+//  - a head's head_dim columns are read with a stride of kv_dim, which the CPU's matrix products take
+//    as an outer stride at no cost. A GPU kernel that wants each head's keys contiguous would pick
+//    [layer][kv_head][position][head_dim] instead, at the price of n_kv_heads copies per write.
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "backend.h"
+#include "config.h"
+#include "kv_cache.h"
+
+namespace kvs::ch03 {
+
+class PreallocatedKvCache final : public KvCache {
+ public:
+  PreallocatedKvCache(Backend& backend, const ModelConfig& config, int max_positions)
+      : backend_(backend),
+        kv_dim_(config.kv_dim()),
+        max_positions_(max_positions),
+        storage_(backend, std::size_t(config.n_layers) * 2 * max_positions * config.kv_dim()) {}
+
+  void prepare(int pos, int n) override {
+    if (pos > length_)
+      throw std::invalid_argument("PreallocatedKvCache: position " + std::to_string(pos) + " leaves a gap after the " +
+                                  std::to_string(length_) + " cached positions");
+    if (pos + n > max_positions_)
+      throw std::invalid_argument("PreallocatedKvCache: positions up to " + std::to_string(pos + n) +
+                                  " do not fit; the cache was allocated for " + std::to_string(max_positions_));
+    length_ = pos + n;  // pos < length_ rewinds: later rows are overwritten
+  }
+
+  void write(int layer, int pos, int n, const float* k, const float* v) override {
+    const std::size_t row = std::size_t(pos) * kv_dim_;
+    backend_.copy(storage_.data() + block(layer, 0) + row, k, std::size_t(n) * kv_dim_);
+    backend_.copy(storage_.data() + block(layer, 1) + row, v, std::size_t(n) * kv_dim_);
+  }
+
+  KvView view(int layer) const override {
+    return KvView{.keys = storage_.data() + block(layer, 0), .values = storage_.data() + block(layer, 1),
+                  .rows = length_, .row_stride = kv_dim_};
+  }
+
+  int length() const { return length_; }
+  int max_positions() const { return max_positions_; }
+  std::int64_t allocated_bytes() const { return std::int64_t(storage_.size()) * sizeof(float); }
+
+ private:
+  // Offset of a layer's keys (kv = 0) or values (kv = 1): a (max_positions, kv_dim) block.
+  std::size_t block(int layer, int kv) const { return (std::size_t(layer) * 2 + kv) * max_positions_ * kv_dim_; }
+
+  Backend& backend_;
+  int kv_dim_, max_positions_;
+  Buffer storage_;  // (layers, 2, max_positions, kv_dim)
+  int length_ = 0;
+};
+
+}  // namespace kvs::ch03

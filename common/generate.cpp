@@ -1,0 +1,71 @@
+#include "generate.h"
+
+#include <algorithm>
+
+#include "timing.h"
+
+namespace kvs {
+
+double Generation::decode_median_ms() const {
+  return step_ms.size() < 2 ? 0.0 : median(std::vector<double>(step_ms.begin() + 1, step_ms.end()));
+}
+
+namespace {
+
+Generation start(std::span<const int> prompt, int max_new_tokens) {
+  Generation g;
+  g.tokens.reserve(prompt.size() + max_new_tokens);  // the loops below never reallocate
+  g.tokens.assign(prompt.begin(), prompt.end());
+  g.step_ms.reserve(max_new_tokens);
+  return g;
+}
+
+void accept(Generation& g, int step, int token, std::span<const float> logits, const Stopwatch& timer,
+            const OnToken& on_token, const OnLogits& on_logits) {
+  g.step_ms.push_back(timer.milliseconds());
+  g.tokens.push_back(token);
+  if (on_logits) on_logits(step, logits);
+  if (on_token) on_token(token);
+}
+
+}  // namespace
+
+Generation generate_naive(Model& model, Sampler& sampler, std::span<const int> prompt, int max_new_tokens,
+                          const OnToken& on_token, const OnLogits& on_logits) {
+  Generation g = start(prompt, max_new_tokens);
+  for (int step = 0; step < max_new_tokens; ++step) {
+    const Stopwatch timer;
+    // The whole sequence, from position 0, no cache: every key and value is computed again.
+    const auto logits = model.forward(g.tokens, /*pos=*/0, /*cache=*/nullptr);
+    accept(g, step, sampler.sample(logits), logits, timer, on_token, on_logits);
+  }
+  return g;
+}
+
+Generation generate_cached(Model& model, KvCache& cache, Sampler& sampler, std::span<const int> prompt,
+                           int max_new_tokens, int prefill_chunk, const OnToken& on_token,
+                           const OnLogits& on_logits) {
+  Generation g = start(prompt, max_new_tokens);
+  if (max_new_tokens == 0) return g;
+  const int prompt_len = static_cast<int>(prompt.size());
+  const int chunk = prefill_chunk > 0 ? prefill_chunk : prompt_len;
+
+  // Prefill: every prompt position once, chunk by chunk; each chunk attends to the cached prefix and
+  // causally within itself. Only the last chunk's last logits are needed.
+  Stopwatch timer;
+  std::span<const float> logits;
+  for (int pos = 0; pos < prompt_len; pos += chunk)
+    logits = model.forward(prompt.subspan(pos, std::min(chunk, prompt_len - pos)), pos, &cache);
+  accept(g, 0, sampler.sample(logits), logits, timer, on_token, on_logits);
+
+  // Decode: one new position per step; everything before it is read from the cache.
+  for (int step = 1; step < max_new_tokens; ++step) {
+    timer = Stopwatch();
+    const int pos = static_cast<int>(g.tokens.size()) - 1;  // the token generated last is not cached yet
+    logits = model.forward(std::span<const int>(&g.tokens[pos], 1), pos, &cache);
+    accept(g, step, sampler.sample(logits), logits, timer, on_token, on_logits);
+  }
+  return g;
+}
+
+}  // namespace kvs
