@@ -148,16 +148,23 @@ fs::path executable_dir() {
 
 }  // namespace
 
-std::string resolve_model_path(const CommonOptions& options) {
-  if (!options.model.empty()) return options.model;
-  // The binaries live in build/<preset>/bin; the repository is three levels up. The source directory
+std::string find_data_file(const std::string& relative) {
+  // The binaries live in build/<preset>/bin, three levels below the repository; the source directory
   // baked in at configure time covers builds placed elsewhere.
-  const fs::path candidates[] = {executable_dir() / "../../../data/kjv-gpt.bin",
-                                 fs::path(KVS_SOURCE_DIR) / "data/kjv-gpt.bin"};
+  const fs::path candidates[] = {executable_dir() / "../../../data" / relative,
+                                 fs::path(KVS_SOURCE_DIR) / "data" / relative};
   for (const fs::path& c : candidates)
     if (fs::exists(c)) return fs::weakly_canonical(c).string();
-  throw std::runtime_error("the shipped model was not found (looked for " + candidates[1].string() +
-                           "); pass --model PATH");
+  throw std::runtime_error("data/" + relative + " was not found (looked in " + candidates[1].parent_path().string() + ")");
+}
+
+std::string resolve_model_path(const CommonOptions& options) {
+  if (!options.model.empty()) return options.model;
+  try {
+    return find_data_file("kjv-gpt.bin");
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(std::string(e.what()) + "; pass --model PATH or train it with data/train.py");
+  }
 }
 
 std::string resolve_prompt(const CommonOptions& options, const std::string& default_prompt) {

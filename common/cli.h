@@ -56,7 +56,10 @@ struct CommonOptions {
 // Registers the common flags; `defaults` provides the values shown in --help.
 void add_common_flags(ArgParser& parser, CommonOptions& options);
 
-// The checkpoint to load: --model, or the shipped model found next to the sources or the binary.
+// A file of the repository's data/ folder, found from the binary's location or the source directory
+// baked in at configure time; throws std::runtime_error naming it when it is missing.
+std::string find_data_file(const std::string& relative);
+// The checkpoint to load: --model, or the shipped model data/kjv-gpt.bin.
 std::string resolve_model_path(const CommonOptions& options);
 // The prompt's bytes: --prompt, --prompt-file, or the given default. Throws std::runtime_error.
 std::string resolve_prompt(const CommonOptions& options, const std::string& default_prompt);

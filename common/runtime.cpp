@@ -19,15 +19,15 @@ Checkpoint load_for_chapters(const CommonOptions& options) {
 
 }  // namespace
 
-Runtime::Runtime(const CommonOptions& options, const std::string& default_prompt, int max_tokens_per_call)
+Runtime::Runtime(const CommonOptions& options, const std::string& default_prompt, PromptFit fit)
     : checkpoint(load_for_chapters(options)),
       backend(options.threads),
-      model(checkpoint, backend, max_tokens_per_call),
+      model(checkpoint, backend),
       prompt(encode_bytes(resolve_prompt(options, default_prompt))),
       sampling{options.temperature, options.top_k, options.seed} {
   const int context = checkpoint.config().seq_len;
   if (prompt.empty()) throw std::runtime_error("the prompt is empty; pass --prompt TEXT");
-  if (static_cast<long>(prompt.size()) + options.max_new_tokens > context)
+  if (fit == PromptFit::kMustFit && static_cast<long>(prompt.size()) + options.max_new_tokens > context)
     throw std::runtime_error("the prompt (" + std::to_string(prompt.size()) + " tokens) plus --max-new-tokens " +
                              std::to_string(options.max_new_tokens) + " exceeds the model's context of " +
                              std::to_string(context) + " positions; shorten the prompt or lower --max-new-tokens");

@@ -15,10 +15,14 @@
 
 namespace kvs {
 
+// Whether the prompt plus --max-new-tokens must fit the model's context (a chapter), or the caller cuts
+// its own prompts from a longer text (a benchmark).
+enum class PromptFit { kMustFit, kCutByCaller };
+
 class Runtime {
  public:
   // Throws std::runtime_error (or CheckpointError) with a one-line reason when something does not fit.
-  Runtime(const CommonOptions& options, const std::string& default_prompt, int max_tokens_per_call = 0);
+  Runtime(const CommonOptions& options, const std::string& default_prompt, PromptFit fit = PromptFit::kMustFit);
   Runtime(const Runtime&) = delete;
 
   // One line for stderr: model shape, backend and threads.

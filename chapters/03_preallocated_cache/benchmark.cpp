@@ -1,0 +1,149 @@
+// Chapters 01-03 measured side by side: for each prompt length, time to first token and median decode
+// time per token for naive recompute, both growing caches (chapter 02) and the preallocated cache.
+// Greedy, warm-up excluded, threads stated. A benchmark executable, never a timed test.
+#include <algorithm>
+#include <fstream>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <thread>
+
+#include "../02_dynamic_cache/growing_kv_cache.h"
+#include "cli.h"
+#include "generate.h"
+#include "preallocated_kv_cache.h"
+#include "runtime.h"
+
+namespace {
+
+using kvs::ch02::Growth;
+
+std::vector<int> parse_lengths(const std::string& text) {
+  std::vector<int> lengths;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    try {
+      std::size_t used = 0;
+      const int n = std::stoi(item, &used);
+      if (used != item.size() || n < 1) throw std::invalid_argument(item);
+      lengths.push_back(n);
+    } catch (const std::exception&) {
+      throw std::runtime_error("--lengths expects positive whole numbers separated by commas, got '" + text + "'");
+    }
+  }
+  if (lengths.empty()) throw std::runtime_error("--lengths is empty");
+  return lengths;
+}
+
+struct Row {
+  std::string method;
+  int prompt_tokens;
+  double ttft_ms, decode_ms;
+  int decode_steps;
+  std::int64_t cache_bytes;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  kvs::CommonOptions options;
+  options.max_new_tokens = 64;
+  std::string lengths_text = "32,128,512,1024,2048", memory_csv;
+  int naive_tokens = 8;
+  kvs::ArgParser parser(
+      "03_benchmark",
+      "Sweep over prompt lengths: time to first token (TTFT) and median per-token decode time for naive\n"
+      "recompute (chapter 01), the concatenate and chunked growing caches (chapter 02) and the preallocated\n"
+      "cache (chapter 03), on the same prompt (the start of the validation text). Each method runs once\n"
+      "untimed first (warm-up). A prompt length that leaves no room for the new tokens within the model's\n"
+      "context is shortened to context - new tokens. Prints a table with speedups relative to naive.\n"
+      "CSV (--csv): method, prompt_tokens, ttft_ms, decode_ms_median, decode_steps, cache_bytes, threads.\n"
+      "--memory-csv: method, positions, measured_bytes, analytic_bytes (cache bytes at the end of a run).");
+  kvs::add_common_flags(parser, options);
+  parser.add_string("--lengths", "LIST", "prompt lengths, comma-separated (default 32,128,512,1024,2048)",
+                    &lengths_text);
+  parser.add_int("--naive-tokens", "new tokens for naive generation, which is slow at long contexts (default 8)",
+                 &naive_tokens, 2, 1 << 20);
+  parser.add_string("--memory-csv", "PATH", "write the cache bytes measured at the end of each run", &memory_csv);
+  parser.parse(argc, argv);
+
+  return kvs::run_main([&] {
+    const std::vector<int> lengths = parse_lengths(lengths_text);
+    if (options.max_new_tokens < 2) throw std::runtime_error("--max-new-tokens must be at least 2 to time decoding");
+    options.temperature = 0.0f;  // greedy: every method must produce the same tokens
+    std::string default_prompt;  // the held-out validation text: real prose the model never trained on
+    if (options.prompt.empty() && options.prompt_file.empty()) {
+      std::ifstream in(kvs::find_data_file("kjv/valid.txt"), std::ios::binary);
+      default_prompt.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    kvs::Runtime rt(options, default_prompt, kvs::PromptFit::kCutByCaller);  // the sweep takes prefixes of it
+    const kvs::ModelConfig& c = rt.model.config();
+    kvs::CsvWriter csv(options.csv, "method,prompt_tokens,ttft_ms,decode_ms_median,decode_steps,cache_bytes,threads");
+    kvs::CsvWriter mem_csv(memory_csv, "method,positions,measured_bytes,analytic_bytes");
+
+    // Prompts are prefixes of the text, repeated if a length asks for more than it holds.
+    std::vector<int> all_tokens = rt.prompt;
+    while (static_cast<int>(all_tokens.size()) < c.seq_len) all_tokens.insert(all_tokens.end(), rt.prompt.begin(), rt.prompt.end());
+
+    std::cerr << rt.describe() << "\n" << options.max_new_tokens << " new tokens per cached run, " << naive_tokens
+              << " per naive run; machine: " << std::thread::hardware_concurrency() << " cores\n\n";
+
+    std::vector<Row> rows;
+    for (int length : lengths) {
+      const int prompt_len = std::min(length, c.seq_len - options.max_new_tokens);
+      if (prompt_len < 1) throw std::runtime_error("--max-new-tokens leaves no room for a prompt in the context");
+      const std::span<const int> prompt(all_tokens.data(), prompt_len);
+      std::vector<int> reference;  // naive's tokens: every cached method must reproduce them
+      for (const std::string method : {"naive", "concatenate", "chunked", "preallocated"}) {
+        const int new_tokens = method == "naive" ? std::min(naive_tokens, options.max_new_tokens) : options.max_new_tokens;
+        std::int64_t cache_bytes = 0;
+        auto run = [&](bool record) {
+          kvs::Sampler sampler = rt.new_sampler();
+          if (method == "naive") return kvs::generate_naive(rt.model, sampler, prompt, new_tokens);
+          if (method == "preallocated") {
+            kvs::ch03::PreallocatedKvCache cache(rt.backend, c, prompt_len + new_tokens);
+            auto g = kvs::generate_cached(rt.model, cache, sampler, prompt, new_tokens);
+            if (record) cache_bytes = cache.allocated_bytes();
+            return g;
+          }
+          kvs::ch02::GrowingKvCache cache(rt.backend, c, method == "concatenate" ? Growth::kConcatenate : Growth::kChunked);
+          auto g = kvs::generate_cached(rt.model, cache, sampler, prompt, new_tokens);
+          if (record) cache_bytes = cache.capacity_bytes();
+          return g;
+        };
+        run(false);  // warm-up
+        const kvs::Generation g = run(true);
+        const std::vector<int> generated(g.tokens.begin() + prompt_len, g.tokens.end());
+        if (method == "naive") reference = generated;
+        const bool same = std::equal(reference.begin(), reference.end(), generated.begin());
+        rows.push_back({method, prompt_len, g.step_ms[0], g.decode_median_ms(), new_tokens - 1, cache_bytes});
+        std::fprintf(stderr, "  prompt %5d  %-12s ttft %9.2f ms  decode %9.4f ms/token%s\n", prompt_len, method.c_str(),
+                     g.step_ms[0], g.decode_median_ms(), same ? "" : "  (tokens differ from naive!)");
+        csv.row(method, prompt_len, g.step_ms[0], g.decode_median_ms(), new_tokens - 1, cache_bytes, rt.backend.threads());
+        if (method != "naive")
+          mem_csv.row(method, prompt_len + new_tokens, cache_bytes, kvs::kv_cache_bytes(c, prompt_len + new_tokens));
+      }
+    }
+
+    std::fprintf(stderr, "\ndecode ms/token (speedup vs naive) and time to first token, %d thread%s\n",
+                 rt.backend.threads(), rt.backend.threads() > 1 ? "s" : "");
+    std::fprintf(stderr, "%7s %10s %20s %20s %20s %12s %12s\n", "prompt", "naive", "concatenate", "chunked",
+                 "preallocated", "prealloc vs", "TTFT ms");
+    std::fprintf(stderr, "%7s %10s %20s %20s %20s %12s %12s\n", "", "", "", "", "", "concatenate", "(prealloc)");
+    for (std::size_t i = 0; i + 3 < rows.size(); i += 4) {
+      const Row &naive = rows[i], &concat = rows[i + 1], &chunked = rows[i + 2], &pre = rows[i + 3];
+      auto cell = [&](const Row& r) {
+        char out[32];
+        std::snprintf(out, sizeof out, "%.4f (%.0fx)", r.decode_ms, naive.decode_ms / r.decode_ms);
+        return std::string(out);
+      };
+      std::fprintf(stderr, "%7d %10.3f %20s %20s %20s %11.2fx %12.2f\n", naive.prompt_tokens, naive.decode_ms,
+                   cell(concat).c_str(), cell(chunked).c_str(), cell(pre).c_str(), concat.decode_ms / pre.decode_ms,
+                   pre.ttft_ms);
+    }
+    if (csv.enabled()) std::cerr << "wrote " << csv.path() << "\n";
+    if (!memory_csv.empty()) std::cerr << "wrote " << memory_csv << "\n";
+    return 0;
+  });
+}

@@ -1,0 +1,117 @@
+// The cache policies of chapters 02 and 03 on their own: growth arithmetic, contents kept across growth,
+// exact memory, refusal of what does not fit, and the masking rule at its boundaries.
+#include <doctest/doctest.h>
+
+#include <numeric>
+#include <vector>
+
+#include "02_dynamic_cache/growing_kv_cache.h"
+#include "03_preallocated_cache/preallocated_kv_cache.h"
+#include "cpu_backend.h"
+
+using namespace kvs;
+using kvs::ch02::Growth;
+using kvs::ch02::grown_capacity;
+
+namespace {
+
+const ModelConfig kConfig{.dim = 64, .hidden_dim = 96, .n_layers = 3, .n_heads = 4, .n_kv_heads = 2,
+                          .vocab_size = 256, .seq_len = 4096};
+
+// Writes positions [pos, pos + n) of every layer with values that encode (layer, position, column, K/V).
+void write_positions(KvCache& cache, int pos, int n) {
+  const int kv_dim = kConfig.kv_dim();
+  std::vector<float> k(std::size_t(n) * kv_dim), v(k.size());
+  cache.prepare(pos, n);
+  for (int layer = 0; layer < kConfig.n_layers; ++layer) {
+    for (int i = 0; i < n; ++i)
+      for (int j = 0; j < kv_dim; ++j) {
+        k[std::size_t(i) * kv_dim + j] = float(layer * 1000000 + (pos + i) * 100 + j);
+        v[std::size_t(i) * kv_dim + j] = -float(layer * 1000000 + (pos + i) * 100 + j);
+      }
+    cache.write(layer, pos, n, k.data(), v.data());
+  }
+}
+
+// Every row of every layer holds what write_positions wrote for its position.
+bool holds_positions(const KvCache& cache, int length) {
+  for (int layer = 0; layer < kConfig.n_layers; ++layer) {
+    const KvView view = cache.view(layer);
+    if (view.rows != length) return false;
+    for (int r = 0; r < length; ++r)
+      for (int j = 0; j < kConfig.kv_dim(); ++j) {
+        const float expected = float(layer * 1000000 + view.position_of(r) * 100 + j);
+        if (view.keys[std::size_t(r) * view.row_stride + j] != expected) return false;
+        if (view.values[std::size_t(r) * view.row_stride + j] != -expected) return false;
+      }
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("growth policy: concatenate grows to exactly what is needed, chunked to need + 1024 rounded to 1024") {
+  CHECK(grown_capacity(Growth::kConcatenate, 0, 14) == 14);
+  CHECK(grown_capacity(Growth::kConcatenate, 14, 15) == 15);
+  CHECK(grown_capacity(Growth::kConcatenate, 15, 15) == 15);
+  CHECK(grown_capacity(Growth::kChunked, 0, 1) == 2048);
+  CHECK(grown_capacity(Growth::kChunked, 0, 1023) == 2048);
+  CHECK(grown_capacity(Growth::kChunked, 0, 1024) == 2048);
+  CHECK(grown_capacity(Growth::kChunked, 2048, 2048) == 2048);  // fits: no growth
+  CHECK(grown_capacity(Growth::kChunked, 2048, 2049) == 4096);
+  CHECK(grown_capacity(Growth::kChunked, 4096, 3073) == 4096);
+}
+
+TEST_CASE("growing cache: cached rows survive every reallocation (nanochat PR #186)") {
+  CpuBackend backend(1);
+  for (Growth growth : {Growth::kConcatenate, Growth::kChunked}) {
+    CAPTURE(ch02::growth_name(growth));
+    ch02::GrowingKvCache cache(backend, kConfig, growth);
+    write_positions(cache, 0, 1000);  // a prefill
+    CHECK(holds_positions(cache, 1000));
+    for (int pos = 1000; pos < 1100; ++pos) write_positions(cache, pos, 1);  // decode steps across 1024
+    CHECK(holds_positions(cache, 1100));
+    const std::int64_t row_bytes = 2 * kConfig.n_layers * kConfig.kv_dim() * sizeof(float);
+    if (growth == Growth::kConcatenate) {
+      CHECK(cache.allocations() == 101 * 2 * kConfig.n_layers);  // every forward pass reallocates K and V
+      // step t copies the t rows already cached: 1000 + 1001 + ... + 1099
+      CHECK(cache.bytes_copied() == (1000 + 1099) * 100 / 2 * row_bytes);
+      CHECK(cache.capacity_bytes() == 1100 * row_bytes);
+    } else {
+      CHECK(cache.allocations() == 1 * 2 * kConfig.n_layers);  // 2048 positions from the first prefill
+      CHECK(cache.bytes_copied() == 0);
+      CHECK(cache.capacity_bytes() == 2048 * row_bytes);
+      write_positions(cache, 1100, 1000);  // 2100 > 2048: one growth to 4096, copying the 1100 rows
+      CHECK(cache.capacity() == 4096);
+      CHECK(cache.bytes_copied() == 1100 * row_bytes);
+      CHECK(holds_positions(cache, 2100));
+    }
+    CHECK_THROWS_WITH(write_positions(cache, cache.length() + 1, 1), doctest::Contains("leaves a gap"));
+  }
+}
+
+TEST_CASE("preallocated cache: exactly the formula's bytes, written in place, refuses what does not fit") {
+  CpuBackend backend(1);
+  ch03::PreallocatedKvCache cache(backend, kConfig, 300);
+  CHECK(cache.allocated_bytes() == kv_cache_bytes(kConfig, 300));
+  CHECK(cache.allocated_bytes() == 2 * 3 * 1 * 2 * 16 * 300 * 4);
+  write_positions(cache, 0, 37);
+  for (int pos = 37; pos < 300; ++pos) write_positions(cache, pos, 1);
+  CHECK(holds_positions(cache, 300));
+  CHECK_THROWS_WITH(write_positions(cache, 300, 1), doctest::Contains("allocated for 300"));
+  CHECK_THROWS_WITH(write_positions(cache, 301, 1), doctest::Contains("leaves a gap"));
+}
+
+TEST_CASE("masking rule: causal, with a window of W keys including the query's own") {
+  CHECK(key_visible(5, 5, 0));
+  CHECK(key_visible(5, 0, 0));
+  CHECK_FALSE(key_visible(5, 6, 0));   // the future
+  CHECK_FALSE(key_visible(5, -1, 0));  // an empty row
+  // window 3 at query 10: keys 8, 9, 10 (three of them)
+  CHECK_FALSE(key_visible(10, 7, 3));
+  CHECK(key_visible(10, 8, 3));
+  CHECK(key_visible(10, 10, 3));
+  CHECK_FALSE(key_visible(10, 11, 3));
+  CHECK(key_visible(0, 0, 1));
+  CHECK_FALSE(key_visible(1, 0, 1));
+}
