@@ -11,7 +11,12 @@ bin=build/release/bin
 
 banner() { printf '\n\033[1m=== %s ===\033[0m\n' "$*" >&2; }
 
+banner "Chapter 00: the model we use (bits per byte on held-out text)"
+"$bin/00_perplexity" --max-bytes 32768
 banner "Chapter 01: naive generation (the whole sequence is recomputed for every token)"
-"$bin/01_naive_generation" --max-new-tokens 120
-echo
-banner "Done. Read book/README.md and run any chapter with --help."
+"$bin/01_naive_generation" --max-new-tokens 150
+banner "Chapter 02: a cache that grows (concatenate per step vs chunked growth)"
+"$bin/02_dynamic_cache" --max-new-tokens 300
+banner "Chapter 03: the preallocated cache (prefill, decode, memory, context wall)"
+"$bin/03_preallocated_cache" --max-new-tokens 300 --memory-budget 8GiB
+banner "Done. Read book/README.md; every binary takes --help. Speed sweep and plots: bash plots/regenerate.sh"

@@ -77,3 +77,57 @@ TEST_CASE("chapter 01: bad input exits non-zero with one line saying what is wro
     CHECK(r.out.find("--max-new-tokens N") != std::string::npos);
   }
 }
+
+TEST_CASE("chapter 02: both growth policies reproduce naive generation and report their costs") {
+  const auto r = run_command(binary("02_dynamic_cache") + " --model " + golden_path("mha.bin") +
+                             " --prompt 'abc' --max-new-tokens 40 --threads 1");
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.size() == 3 + 40);  // one policy's text only
+  CHECK(r.err.find("concatenate") != std::string::npos);
+  CHECK(r.err.find("chunked") != std::string::npos);
+  CHECK(r.err.find("DIFFERENT") == std::string::npos);
+  std::size_t matches = 0;
+  for (std::size_t at = r.err.find("= naive"); at != std::string::npos; at = r.err.find("= naive", at + 1)) ++matches;
+  CHECK(matches == 2);
+}
+
+TEST_CASE("chapter 03: the cache is exactly the formula, decode allocates nothing, chunked prefill agrees") {
+  const auto r = run_command(binary("03_preallocated_cache") + " --model " + golden_path("mha.bin") +
+                             " --prompt 'In the beginning God' --max-new-tokens 30 --prefill-chunk 7 --threads 1");
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.size() == 20 + 30);
+  // mha.bin: 2 layers, 4 KV heads of 16; 50 positions of fp32
+  CHECK(r.err.find("= 2 * 2 * 1 * 4 * 16 * 50 * 4 = 51200 bytes") != std::string::npos);
+  CHECK(r.err.find("allocated by the cache: 51200 bytes (equal to the formula)") != std::string::npos);
+  CHECK(r.err.find("heap allocations during the 29 decode steps: 0") != std::string::npos);
+  CHECK(r.err.find("chunked prefill (C = 7) vs one-shot prefill: largest logit difference") != std::string::npos);
+  CHECK(r.err.find("context wall") != std::string::npos);
+
+  const auto bad = run_command(binary("03_preallocated_cache") + " --model " + golden_path("mha.bin") +
+                               " --memory-budget lots");
+  CHECK(bad.exit_code == 2);
+  CHECK(bad.err.find("--memory-budget expects a positive size") != std::string::npos);
+  const auto short_cache = run_command(binary("03_preallocated_cache") + " --model " + golden_path("mha.bin") +
+                                       " --prompt abc --max-new-tokens 10 --max-context 12");
+  CHECK(short_cache.exit_code == 1);
+  CHECK(short_cache.err.find("--max-context 12 is shorter than the prompt plus --max-new-tokens (13 positions)") !=
+        std::string::npos);
+}
+
+TEST_CASE("chapter 00: perplexity of a small text; bad context is refused") {
+  kvs::test::TempDir dir;
+  const std::string text = dir.file("text.txt");
+  std::ofstream(text) << "In the beginning God created the heaven and the earth. And the earth was without form.";
+  const auto r = run_command(binary("00_perplexity") + " --model " + golden_path("mha.bin") + " --text " + text +
+                             " --context 32 --threads 1");
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("bits/byte, perplexity") != std::string::npos);
+  CHECK(r.out.find("(85 bytes predicted, context 32, 3 chunks") != std::string::npos);
+  const auto bad = run_command(binary("00_perplexity") + " --model " + golden_path("mha.bin") + " --text " + text +
+                               " --context 1000");
+  CHECK(bad.exit_code == 1);
+  CHECK(bad.err.find("--context 1000 exceeds the model's context of 96") != std::string::npos);
+}

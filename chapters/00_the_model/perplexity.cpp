@@ -1,0 +1,56 @@
+// Chapter 00 — the model we use: teacher-forced bits per byte and perplexity of a text (by default the
+// held-out validation text), computed by common/perplexity.cpp.
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+#include "cli.h"
+#include "perplexity.h"
+#include "runtime.h"
+#include "timing.h"
+#include "tokenizer.h"
+
+int main(int argc, char** argv) {
+  kvs::CommonOptions options;
+  std::string text_path;
+  int context = 512, max_bytes = 0;
+  kvs::ArgParser parser("00_perplexity",
+                        "Chapter 00: how well the model predicts a text. The text is cut into chunks of --context\n"
+                        "bytes; each chunk is one forward pass from position 0 that scores every next byte. Prints\n"
+                        "bits per byte and perplexity (per byte) to stdout, progress to stderr.\n"
+                        "CSV columns (--csv): text, bytes, context, chunks, bits_per_byte, perplexity, seconds.");
+  kvs::add_common_flags(parser, options);
+  parser.add_string("--text", "PATH", "text to evaluate (default: data/kjv/valid.txt, the held-out part)", &text_path);
+  parser.add_int("--context", "bytes per chunk (default 512; at most the model's context)", &context, 1, 1 << 21);
+  parser.add_int("--max-bytes", "evaluate only the first N bytes of the text (default 0 = all)", &max_bytes, 0,
+                 1 << 30);
+  parser.parse(argc, argv);
+
+  return kvs::run_main([&] {
+    options.max_new_tokens = 0;
+    kvs::Runtime rt(options, "-");  // no prompt: the text below is what the model reads
+    if (text_path.empty()) text_path = kvs::find_data_file("kjv/valid.txt");
+    std::ifstream in(text_path, std::ios::binary);
+    if (!in) throw std::runtime_error("cannot read --text " + text_path);
+    std::string text(std::istreambuf_iterator<char>(in), {});
+    if (max_bytes > 0 && static_cast<int>(text.size()) > max_bytes) text.resize(max_bytes);
+    if (context > rt.model.config().seq_len)
+      throw std::runtime_error("--context " + std::to_string(context) + " exceeds the model's context of " +
+                               std::to_string(rt.model.config().seq_len));
+    kvs::CsvWriter csv(options.csv, "text,bytes,context,chunks,bits_per_byte,perplexity,seconds");
+    std::cerr << rt.describe() << "\nevaluating " << text.size() << " bytes of " << text_path << " in chunks of "
+              << context << "\n";
+
+    const kvs::Stopwatch timer;
+    const std::vector<int> tokens = kvs::encode_bytes(text);
+    const kvs::Perplexity p = kvs::evaluate_perplexity(rt.model, tokens, context, [](int done, int total) {
+      if (done % 10 == 0 || done == total) std::fprintf(stderr, "\r  chunk %d / %d", done, total);
+    });
+    const double seconds = timer.milliseconds() / 1000;
+    std::fprintf(stderr, "\n");
+    std::printf("%.6f bits/byte, perplexity %.4f per byte (%lld bytes predicted, context %d, %d chunks, %.1f s)\n",
+                p.bits_per_byte, p.perplexity, static_cast<long long>(p.predicted), context, p.chunks, seconds);
+    csv.row(text_path, text.size(), context, p.chunks, p.bits_per_byte, p.perplexity, seconds);
+    return 0;
+  });
+}

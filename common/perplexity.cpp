@@ -1,0 +1,40 @@
+#include "perplexity.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace kvs {
+
+Perplexity evaluate_perplexity(Model& model, std::span<const int> tokens, int context,
+                               const std::function<void(int, int)>& on_chunk) {
+  const int n = static_cast<int>(tokens.size());
+  if (n < 2) throw std::invalid_argument("the text must hold at least 2 bytes to evaluate");
+  if (context < 1 || context > model.max_tokens_per_call())
+    throw std::invalid_argument("context " + std::to_string(context) + " is outside 1.." +
+                                std::to_string(model.max_tokens_per_call()) + " (the model's context)");
+  const int vocab = model.config().vocab_size;
+  const int total_chunks = (n - 1 + context - 1) / context;
+  double nats = 0;
+  Perplexity result;
+  for (int start = 0; start < n - 1; start += context) {
+    const int len = std::min(context, n - 1 - start);  // inputs; targets are the next `len` tokens
+    const auto logits = model.forward(tokens.subspan(start, len), 0, nullptr, Logits::kAllPositions);
+    for (int i = 0; i < len; ++i) {
+      const float* row = logits.data() + std::size_t(i) * vocab;
+      const float max_logit = *std::max_element(row, row + vocab);
+      double sum = 0;
+      for (int v = 0; v < vocab; ++v) sum += std::exp(double(row[v]) - max_logit);
+      nats += std::log(sum) + max_logit - row[tokens[start + i + 1]];  // -log p(next token)
+    }
+    result.predicted += len;
+    ++result.chunks;
+    if (on_chunk) on_chunk(result.chunks, total_chunks);
+  }
+  result.bits_per_byte = nats / result.predicted / std::log(2.0);
+  result.perplexity = std::exp2(result.bits_per_byte);
+  return result;
+}
+
+}  // namespace kvs

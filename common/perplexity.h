@@ -1,0 +1,28 @@
+#pragma once
+// Teacher-forced evaluation: how well the model predicts a text it is shown byte by byte.
+//
+// The text is cut into consecutive chunks of `context` tokens. Chunk c feeds tokens
+// [c·context, (c+1)·context) at positions 0 .. context-1 and scores each against the token that follows
+// it, so every token after the first is predicted exactly once. bits per byte = mean(-log2 p(next byte));
+// perplexity = 2^(bits per byte). data/reference/evaluate.py computes exactly the same in PyTorch.
+#include <cstdint>
+#include <functional>
+#include <span>
+
+#include "model.h"
+
+namespace kvs {
+
+struct Perplexity {
+  double bits_per_byte = 0;
+  double perplexity = 0;        // per byte
+  std::int64_t predicted = 0;   // tokens scored
+  int chunks = 0;
+};
+
+// on_chunk(done, total) is called after every chunk (for progress). Throws std::invalid_argument when the
+// text has fewer than 2 tokens or the context exceeds what the model was set up for.
+Perplexity evaluate_perplexity(Model& model, std::span<const int> tokens, int context,
+                               const std::function<void(int done, int total)>& on_chunk = {});
+
+}  // namespace kvs

@@ -1,0 +1,99 @@
+"""Redraw every figure of the book from the CSV files the binaries write (plots/data/).
+
+    python3 plots/plot.py          # Debian: python3-matplotlib; run plots/regenerate.sh to remeasure first
+
+Figures: decode_time_vs_context.png (log-log, one line per method), speedup_vs_prompt.png (decode
+speedup over naive), cache_bytes_vs_context.png (the formula's line and the bytes each cache held).
+"""
+import csv
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    sys.exit("error: matplotlib is missing; install Debian's python3-matplotlib (common/install-deps.sh plots)")
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / "data"
+STYLE = {"naive": ("tab:red", "o"), "concatenate": ("tab:orange", "s"), "chunked": ("tab:green", "^"),
+         "preallocated": ("tab:blue", "D")}
+
+
+def read(name):
+    path = DATA / name
+    if not path.exists():
+        sys.exit(f"error: {path} is missing; run plots/regenerate.sh to measure it")
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def by_method(rows, x, y):
+    series = defaultdict(list)
+    for r in rows:
+        series[r["method"]].append((float(r[x]), float(r[y])))
+    return {m: sorted(v) for m, v in series.items()}
+
+
+def main():
+    speed = read("speedup.csv")
+    threads = speed[0]["threads"]
+    decode = by_method(speed, "prompt_tokens", "decode_ms_median")
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for method, points in decode.items():
+        color, marker = STYLE.get(method, ("black", "x"))
+        ax.plot(*zip(*points), marker=marker, color=color, label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (prompt tokens)")
+    ax.set_ylabel("median decode time per token (ms)")
+    ax.set_title(f"Time per new token vs context ({threads} threads)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(HERE / "decode_time_vs_context.png", dpi=120)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    naive = dict(decode["naive"])
+    for method, points in decode.items():
+        if method == "naive":
+            continue
+        color, marker = STYLE.get(method, ("black", "x"))
+        ax.plot([x for x, _ in points], [naive[x] / y for x, y in points], marker=marker, color=color, label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("decode speedup over naive (x)")
+    ax.set_title(f"KV cache speedup per token ({threads} threads)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(HERE / "speedup_vs_prompt.png", dpi=120)
+
+    memory = read("cache_memory.csv")
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    analytic = sorted({(int(r["positions"]), int(r["analytic_bytes"])) for r in memory})
+    per_position = analytic[-1][1] / analytic[-1][0]
+    xs = [0, max(x for x, _ in analytic)]
+    ax.plot(xs, [x * per_position / 2**20 for x in xs], color="black", lw=1,
+            label="2·layers·kv_heads·head_dim·positions·4 bytes")
+    for method, points in by_method(memory, "positions", "measured_bytes").items():
+        color, marker = STYLE.get(method, ("black", "x"))
+        ax.plot([x for x, _ in points], [y / 2**20 for _, y in points], ls="none", marker=marker, color=color,
+                label=f"{method} (allocated)")
+    ax.set_xlabel("positions in the cache")
+    ax.set_ylabel("KV cache bytes (MiB)")
+    ax.set_title("Cache memory grows linearly with context")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(HERE / "cache_bytes_vs_context.png", dpi=120)
+    print("wrote", ", ".join(p.name for p in sorted(HERE.glob("*.png"))))
+
+
+if __name__ == "__main__":
+    main()

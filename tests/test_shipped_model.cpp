@@ -1,0 +1,98 @@
+// The shipped model (data/kjv-gpt.bin) against the PyTorch reference's golden files
+// (data/reference/make_shipped_golden.py): logits on three prompts, 200 greedy tokens, and the evaluator.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "03_preallocated_cache/preallocated_kv_cache.h"
+#include "cli.h"
+#include "cpu_backend.h"
+#include "generate.h"
+#include "perplexity.h"
+#include "test_util.h"
+#include "tokenizer.h"
+
+using namespace kvs;
+
+namespace {
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  REQUIRE(in);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+template <typename T>
+std::vector<T> read_array(std::istream& in, std::size_t n) {
+  std::vector<T> out(n);
+  in.read(reinterpret_cast<char*>(out.data()), std::streamsize(n * sizeof(T)));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("shipped model: C++ logits equal PyTorch's on three prompts, one longer than 1024 bytes") {
+  // Same tolerance and reasoning as test_golden.cpp: fp32 with different summation orders; the largest
+  // difference seen is printed (about 1e-5 on logits of magnitude ~10).
+  constexpr float kTolerance = 1e-4f;
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  CpuBackend backend(2);
+  Model model(checkpoint, backend);
+  std::ifstream in(test::golden_path("kjv-gpt.logits"), std::ios::binary);
+  REQUIRE(in);
+  const int prompts = read_array<std::int32_t>(in, 1)[0];
+  REQUIRE(prompts == 3);
+  int longest = 0;
+  for (int p = 0; p < prompts; ++p) {
+    const auto tokens32 = read_array<std::int32_t>(in, read_array<std::int32_t>(in, 1)[0]);
+    const auto rows = read_array<std::int32_t>(in, read_array<std::int32_t>(in, 1)[0]);
+    const auto expected = read_array<float>(in, rows.size() * 256);
+    REQUIRE(in);
+    const std::vector<int> tokens(tokens32.begin(), tokens32.end());
+    longest = std::max<int>(longest, tokens.size());
+    const auto logits = model.forward(tokens, 0, nullptr, Logits::kAllPositions);
+    float worst = 0;
+    for (std::size_t r = 0; r < rows.size(); ++r)
+      for (int v = 0; v < 256; ++v)
+        worst = std::max(worst, std::abs(logits[std::size_t(rows[r]) * 256 + v] - expected[r * 256 + v]));
+    MESSAGE("prompt of " << tokens.size() << " bytes: largest |C++ - PyTorch| = " << worst);
+    CHECK(worst <= kTolerance);
+  }
+  CHECK(longest > 1024);
+}
+
+TEST_CASE("shipped model: 200 greedy tokens are byte for byte PyTorch's, with and without a cache") {
+  const std::string golden = slurp(test::golden_path("kjv-gpt.greedy.txt"));
+  const std::string prompt = "And God said, ";
+  REQUIRE(golden.size() == prompt.size() + 200);
+  REQUIRE(golden.rfind(prompt, 0) == 0);
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  CpuBackend backend(2);
+  Model model(checkpoint, backend);
+  const std::vector<int> tokens = encode_bytes(prompt);
+  Sampler naive_sampler(256, {});
+  CHECK(decode_bytes(generate_naive(model, naive_sampler, tokens, 200).tokens) == golden);
+  ch03::PreallocatedKvCache cache(backend, checkpoint.config(), 214);
+  Sampler cached_sampler(256, {});
+  CHECK(decode_bytes(generate_cached(model, cache, cached_sampler, tokens, 200).tokens) == golden);
+}
+
+TEST_CASE("shipped model: the C++ evaluator equals PyTorch's bits per byte within 0.01") {
+  std::istringstream line(slurp(test::golden_path("kjv-gpt.eval.txt")));
+  int bytes = 0, context = 0;
+  double reference = 0;
+  line >> bytes >> context >> reference;
+  REQUIRE(bytes > 0);
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  CpuBackend backend(2);
+  Model model(checkpoint, backend);
+  const std::string text = slurp(find_data_file("kjv/valid.txt")).substr(0, bytes);
+  const Perplexity p = evaluate_perplexity(model, encode_bytes(text), context);
+  MESSAGE("C++ " << p.bits_per_byte << " bits/byte, PyTorch " << reference);
+  CHECK(std::abs(p.bits_per_byte - reference) < 0.01);
+  CHECK(p.predicted == bytes - 1);
+  CHECK(p.perplexity == doctest::Approx(std::exp2(p.bits_per_byte)));
+}
