@@ -45,7 +45,7 @@ class Backend {
   // out (n, n_heads·head_dim) = softmax(q kᵀ / sqrt(head_dim), masked by key_visible) v for queries
   // q (n, n_heads·head_dim) at positions pos .. pos + n - 1, over the rows of `kv`
   virtual void attention(float* out, const float* q, int pos, int n, const KvView& kv,
-                         const AttentionShape& shape, float* scratch) = 0;
+                         const AttentionShape& shape, std::span<float> scratch) = 0;
   // gate (count) = silu(gate) ⊙ up
   virtual void swiglu(float* gate, const float* up, std::size_t count) = 0;
   // x (count) += y

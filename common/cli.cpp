@@ -19,9 +19,10 @@ ArgParser::ArgParser(std::string program, std::string description)
     : program_(std::move(program)), description_(std::move(description)) {}
 
 void ArgParser::add_string(const std::string& name, const std::string& value_name, const std::string& help,
-                           std::string* target) {
-  flags_.push_back({name, value_name, help, [target](const std::string& v) {
+                           std::string* target, bool* given) {
+  flags_.push_back({name, value_name, help, [target, given](const std::string& v) {
                       *target = v;
+                      if (given) *given = true;
                       return std::string();
                     }});
 }
@@ -126,7 +127,7 @@ void ArgParser::parse(int argc, const char* const* argv) const {
 
 void add_common_flags(ArgParser& p, CommonOptions& o) {
   p.add_string("--model", "PATH", "checkpoint to load (default: the shipped model, data/kjv-gpt.bin)", &o.model);
-  p.add_string("--prompt", "TEXT", "text to continue (default: the chapter's prompt)", &o.prompt);
+  p.add_string("--prompt", "TEXT", "text to continue (default: the chapter's prompt)", &o.prompt, &o.prompt_given);
   p.add_string("--prompt-file", "PATH", "read the prompt from a file instead", &o.prompt_file);
   p.add_int("--max-new-tokens", "tokens to generate (default " + std::to_string(o.max_new_tokens) + ")",
             &o.max_new_tokens, 0, 1 << 20);
@@ -168,8 +169,10 @@ std::string resolve_model_path(const CommonOptions& options) {
 }
 
 std::string resolve_prompt(const CommonOptions& options, const std::string& default_prompt) {
-  if (!options.prompt.empty() && !options.prompt_file.empty())
+  if (options.prompt_given && !options.prompt_file.empty())
     throw std::runtime_error("--prompt and --prompt-file both given; pass one of them");
+  if (options.prompt_given && options.prompt.empty())
+    throw std::runtime_error("--prompt is empty; give some text to continue");
   std::string prompt = options.prompt;
   if (!options.prompt_file.empty()) {
     std::ifstream in(options.prompt_file, std::ios::binary);

@@ -14,7 +14,9 @@ class ArgParser {
  public:
   ArgParser(std::string program, std::string description);
 
-  void add_string(const std::string& name, const std::string& value_name, const std::string& help, std::string* target);
+  // `given`, when not null, is set when the flag appears (so an explicit empty value differs from none).
+  void add_string(const std::string& name, const std::string& value_name, const std::string& help, std::string* target,
+                  bool* given = nullptr);
   void add_int(const std::string& name, const std::string& help, int* target, int min, int max);
   void add_u64(const std::string& name, const std::string& help, std::uint64_t* target);
   void add_float(const std::string& name, const std::string& help, float* target, float min, float max);
@@ -44,6 +46,7 @@ class ArgParser {
 struct CommonOptions {
   std::string model;  // empty: the shipped model
   std::string prompt;
+  bool prompt_given = false;  // --prompt appeared, possibly with an empty value
   std::string prompt_file;
   int max_new_tokens = 200;
   float temperature = 0.0f;

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <thread>
 
 #ifdef _OPENMP
@@ -39,7 +41,7 @@ float* CpuBackend::allocate(std::size_t floats) {
 void CpuBackend::release(float* p) { Eigen::internal::aligned_free(p); }
 
 void CpuBackend::copy(float* dst, const float* src, std::size_t floats) {
-  if (dst != src) std::memmove(dst, src, floats * sizeof(float));
+  if (floats > 0 && dst != src) std::memmove(dst, src, floats * sizeof(float));
 }
 
 std::size_t CpuBackend::attention_scratch_floats(const AttentionShape& shape, int max_rows) const {
@@ -84,7 +86,12 @@ void CpuBackend::rope(float* x, const float* table, int n, int heads, int head_d
 }
 
 void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvView& kv,
-                           const AttentionShape& shape, float* scratch) {
+                           const AttentionShape& shape, std::span<float> scratch) {
+  // Each head owns a fixed slice of the scratch, (kQueryBlock, max_rows) scores, whatever this view's size.
+  const std::size_t head_stride = scratch.size() / shape.n_heads;
+  if (std::size_t(kQueryBlock) * kv.rows > head_stride)
+    throw std::invalid_argument("attention: the view has " + std::to_string(kv.rows) +
+                                " rows, more than the scratch was sized for");
   const int head_dim = shape.head_dim, dim = shape.n_heads * head_dim;
   const int group = shape.n_heads / shape.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
@@ -92,7 +99,7 @@ void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvV
 
   auto one_head = [&](int h) {
     const int kv_head = h / group;  // the KV head this query head reads
-    float* scores_mem = scratch + std::size_t(h) * kQueryBlock * kv.rows;
+    float* scores_mem = scratch.data() + h * head_stride;
     for (int q0 = 0; q0 < n; q0 += kQueryBlock) {
       const int nq = std::min(kQueryBlock, n - q0);
       // Rows of a contiguous view hold increasing positions: rows past the block's last query position

@@ -85,7 +85,7 @@ std::span<const float> Model::forward(std::span<const int> tokens, int pos, KvCa
     if (visible.rows > max_kv_rows_)
       throw std::invalid_argument("forward: the cache shows " + std::to_string(visible.rows) +
                                   " rows; this model was set up for at most " + std::to_string(max_kv_rows_));
-    b.attention(att, q, pos, n, visible, shape, scratch_.data());  // att (n, dim)
+    b.attention(att, q, pos, n, visible, shape, {scratch_.data(), scratch_.size()});  // att (n, dim)
     b.matmul(xb, att, w.wo, n, dim, dim);             // xb (n, dim)
     b.add(x, xb, std::size_t(n) * dim);
 

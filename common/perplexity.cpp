@@ -1,6 +1,7 @@
 #include "perplexity.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -9,8 +10,13 @@ namespace kvs {
 
 Perplexity evaluate_perplexity(Model& model, std::span<const int> tokens, int context,
                                const std::function<void(int, int)>& on_chunk) {
+  if (tokens.size() > std::size_t(INT32_MAX)) throw std::invalid_argument("the text is larger than 2 GiB");
   const int n = static_cast<int>(tokens.size());
   if (n < 2) throw std::invalid_argument("the text must hold at least 2 bytes to evaluate");
+  for (int token : tokens)  // targets are read straight from the logits, so check them all first
+    if (token < 0 || token >= model.config().vocab_size)
+      throw std::invalid_argument("token " + std::to_string(token) + " is outside the model's vocabulary of " +
+                                  std::to_string(model.config().vocab_size));
   if (context < 1 || context > model.max_tokens_per_call())
     throw std::invalid_argument("context " + std::to_string(context) + " is outside 1.." +
                                 std::to_string(model.max_tokens_per_call()) + " (the model's context)");

@@ -57,10 +57,13 @@ TEST_CASE("cli: unknown flags and bad values are named in the error") {
 TEST_CASE("cli: prompts come from --prompt, --prompt-file or the chapter's default, never two at once") {
   CommonOptions o;
   CHECK(resolve_prompt(o, "default") == "default");
+  o.prompt_given = true;
+  CHECK_THROWS_WITH(resolve_prompt(o, "default"), doctest::Contains("--prompt is empty"));
   o.prompt = "given";
   CHECK(resolve_prompt(o, "default") == "given");
   o.prompt_file = "/nonexistent/prompt.txt";
   CHECK_THROWS_WITH(resolve_prompt(o, "default"), doctest::Contains("--prompt and --prompt-file both given"));
   o.prompt.clear();
+  o.prompt_given = false;
   CHECK_THROWS_WITH(resolve_prompt(o, "default"), doctest::Contains("cannot read --prompt-file"));
 }

@@ -54,6 +54,7 @@ TEST_CASE("shipped model: C++ logits equal PyTorch's on three prompts, one longe
     const std::vector<int> tokens(tokens32.begin(), tokens32.end());
     longest = std::max<int>(longest, tokens.size());
     const auto logits = model.forward(tokens, 0, nullptr, Logits::kAllPositions);
+    for (int row : rows) REQUIRE((row >= 0 && row < static_cast<int>(tokens.size())));
     float worst = 0;
     for (std::size_t r = 0; r < rows.size(); ++r)
       for (int v = 0; v < 256; ++v)

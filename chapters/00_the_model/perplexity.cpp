@@ -33,6 +33,7 @@ int main(int argc, char** argv) {
     std::ifstream in(text_path, std::ios::binary);
     if (!in) throw std::runtime_error("cannot read --text " + text_path);
     std::string text(std::istreambuf_iterator<char>(in), {});
+    if (text.size() > (1u << 30)) throw std::runtime_error("--text " + text_path + " is larger than 1 GiB; pass --max-bytes");
     if (max_bytes > 0 && static_cast<int>(text.size()) > max_bytes) text.resize(max_bytes);
     if (context > rt.model.config().seq_len)
       throw std::runtime_error("--context " + std::to_string(context) + " exceeds the model's context of " +

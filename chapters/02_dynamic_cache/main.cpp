@@ -65,8 +65,9 @@ int main(int argc, char** argv) {
       }
       const double decode_ms = g.decode_median_ms();
       const double tokens_per_s = decode_ms > 0 ? 1000.0 / decode_ms : 0.0;
-      const char* same = skip_naive ? (g.tokens == first.tokens ? "= concat" : "DIFFERENT")
-                                    : (g.tokens == naive.tokens ? "= naive" : "DIFFERENT");
+      const char* same = !skip_naive ? (g.tokens == naive.tokens ? "= naive" : "DIFFERENT")
+                         : stream       ? "(reference)"
+                                        : (g.tokens == first.tokens ? "= concat" : "DIFFERENT");
       std::fprintf(stderr, "%-12s %11lld %10.2f MiB %9.3f MiB %11.2f %13.4f %10.0f %12s\n",
                    kvs::ch02::growth_name(growth), static_cast<long long>(cache.allocations()), mib(cache.bytes_copied()),
                    mib(cache.peak_bytes()), g.step_ms.empty() ? 0.0 : g.step_ms[0], decode_ms, tokens_per_s, same);

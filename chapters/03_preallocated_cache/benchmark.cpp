@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
     if (options.max_new_tokens < 2) throw std::runtime_error("--max-new-tokens must be at least 2 to time decoding");
     options.temperature = 0.0f;  // greedy: every method must produce the same tokens
     std::string default_prompt;  // the held-out validation text: real prose the model never trained on
-    if (options.prompt.empty() && options.prompt_file.empty()) {
+    if (!options.prompt_given && options.prompt_file.empty()) {
       std::ifstream in(kvs::find_data_file("kjv/valid.txt"), std::ios::binary);
       default_prompt.assign(std::istreambuf_iterator<char>(in), {});
     }

@@ -64,6 +64,9 @@ int main(int argc, char** argv) {
     const kvs::ModelConfig& c = rt.model.config();
     const int needed = static_cast<int>(rt.prompt.size()) + options.max_new_tokens;
     if (max_context == 0) max_context = needed;
+    if (max_context > c.seq_len)
+      throw std::runtime_error("--max-context " + std::to_string(max_context) + " exceeds the model's context of " +
+                               std::to_string(c.seq_len) + " positions");
     if (max_context < needed)
       throw std::runtime_error("--max-context " + std::to_string(max_context) + " is shorter than the prompt plus "
                                "--max-new-tokens (" + std::to_string(needed) + " positions)");
@@ -96,7 +99,8 @@ int main(int argc, char** argv) {
 
     const double prefill_ms = g.step_ms.empty() ? 0.0 : g.step_ms[0];
     const double decode_ms = g.decode_median_ms();
-    std::fprintf(stderr, "\n\nprefill (time to first token): %.2f ms for %zu positions\n", prefill_ms, rt.prompt.size());
+    if (options.max_new_tokens > 0)
+      std::fprintf(stderr, "\n\nprefill (time to first token): %.2f ms for %zu positions\n", prefill_ms, rt.prompt.size());
     if (options.max_new_tokens > 1)
       std::fprintf(stderr, "decode: median %.4f ms per token, %.0f tokens/s; heap allocations during the %d decode "
                            "steps: %ld\n", decode_ms, 1000.0 / decode_ms, options.max_new_tokens - 1, decode_allocations);
