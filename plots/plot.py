@@ -38,6 +38,19 @@ def by_method(rows, x, y):
     return {m: sorted(v) for m, v in series.items()}
 
 
+def finish(fig, ax, xlabel, ylabel, title, filename, log=True):
+    if log:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(HERE / filename, dpi=120)
+
+
 def main():
     speed = read("speedup.csv")
     threads = speed[0]["threads"]
@@ -47,15 +60,8 @@ def main():
     for method, points in decode.items():
         color, marker = STYLE.get(method, ("black", "x"))
         ax.plot(*zip(*points), marker=marker, color=color, label=method)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context (prompt tokens)")
-    ax.set_ylabel("median decode time per token (ms)")
-    ax.set_title(f"Time per new token vs context ({threads} threads)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(HERE / "decode_time_vs_context.png", dpi=120)
+    finish(fig, ax, "context (prompt tokens)", "median decode time per token (ms)",
+           f"Time per new token vs context ({threads} threads)", "decode_time_vs_context.png")
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     naive = dict(decode["naive"])
@@ -64,15 +70,8 @@ def main():
             continue
         color, marker = STYLE.get(method, ("black", "x"))
         ax.plot([x for x, _ in points], [naive[x] / y for x, y in points], marker=marker, color=color, label=method)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("decode speedup over naive (x)")
-    ax.set_title(f"KV cache speedup per token ({threads} threads)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(HERE / "speedup_vs_prompt.png", dpi=120)
+    finish(fig, ax, "prompt length (tokens)", "decode speedup over naive (x)",
+           f"KV cache speedup per token ({threads} threads)", "speedup_vs_prompt.png")
 
     memory = read("cache_memory.csv")
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
@@ -85,13 +84,8 @@ def main():
         color, marker = STYLE.get(method, ("black", "x"))
         ax.plot([x for x, _ in points], [y / 2**20 for _, y in points], ls="none", marker=marker, color=color,
                 label=f"{method} (allocated)")
-    ax.set_xlabel("positions in the cache")
-    ax.set_ylabel("KV cache bytes (MiB)")
-    ax.set_title("Cache memory grows linearly with context")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(HERE / "cache_bytes_vs_context.png", dpi=120)
+    finish(fig, ax, "positions in the cache", "KV cache bytes (MiB)", "Cache memory grows linearly with context",
+           "cache_bytes_vs_context.png", log=False)
     print("wrote", ", ".join(p.name for p in sorted(HERE.glob("*.png"))))
 
 
