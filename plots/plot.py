@@ -1,6 +1,6 @@
 """Redraw every figure of the book from the CSV files the binaries write (plots/data/).
 
-    python3 plots/plot.py          # Debian: python3-matplotlib; run plots/regenerate.sh to remeasure first
+    /usr/bin/python3 plots/plot.py     # Debian's python3-matplotlib; plots/regenerate.sh remeasures first
 
 Figures: decode_time_vs_context.png (log-log, one line per method), speedup_vs_prompt.png (decode
 speedup over naive), cache_bytes_vs_context.png (the formula's line and the bytes each cache held).

@@ -8,4 +8,4 @@ cmake --preset release >/dev/null
 cmake --build --preset release
 build/release/bin/03_benchmark --lengths 32,64,128,256,512,1024,1536,2048 \
   --csv plots/data/speedup.csv --memory-csv plots/data/cache_memory.csv "$@"
-python3 plots/plot.py
+/usr/bin/python3 plots/plot.py  # Debian's interpreter, which has python3-matplotlib

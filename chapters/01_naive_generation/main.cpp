@@ -23,7 +23,7 @@ constexpr const char* kDefaultPrompt = "And God said, ";
 void print_report(const std::vector<double>& step_ms, int prompt_tokens, double total_ms) {
   const int steps = static_cast<int>(step_ms.size());
   if (steps == 0) return;
-  std::fprintf(stderr, "\n%8s %10s %12s\n", "step", "context", "ms/token");
+  std::fprintf(stderr, "%8s %10s %12s\n", "step", "context", "ms/token");
   const int stride = std::max(1, steps / 10);
   for (int s = 0; s < steps; s += stride)
     std::fprintf(stderr, "%8d %10d %12.3f\n", s, prompt_tokens + s, step_ms[s]);

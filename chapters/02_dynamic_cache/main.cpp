@@ -3,6 +3,7 @@
 // chapter 01's naive recompute.
 #include <cstdio>
 #include <iostream>
+#include <string>
 
 #include "cli.h"
 #include "generate.h"
@@ -48,8 +49,8 @@ int main(int argc, char** argv) {
       naive = kvs::generate_naive(rt.model, sampler, rt.prompt, options.max_new_tokens);
     }
 
-    std::fprintf(stderr, "\n%-12s %11s %14s %13s %11s %13s %10s %12s\n", "policy", "allocations", "bytes copied",
-                 "peak cache", "prefill ms", "decode ms/tok", "tokens/s", "same tokens");
+    std::string table;  // printed once every run is done, after the streamed text
+    char line[256];
     kvs::Generation first;
     for (Growth growth : {Growth::kConcatenate, Growth::kChunked}) {
       kvs::ch02::GrowingKvCache cache(rt.backend, rt.model.config(), growth);
@@ -68,12 +69,15 @@ int main(int argc, char** argv) {
       const char* same = !skip_naive ? (g.tokens == naive.tokens ? "= naive" : "DIFFERENT")
                          : stream       ? "(reference)"
                                         : (g.tokens == first.tokens ? "= concat" : "DIFFERENT");
-      std::fprintf(stderr, "%-12s %11lld %10.2f MiB %9.3f MiB %11.2f %13.4f %10.0f %12s\n",
+      std::snprintf(line, sizeof line, "%-12s %11lld %10.2f MiB %9.3f MiB %11.2f %13.4f %10.0f %12s\n",
                    kvs::ch02::growth_name(growth), static_cast<long long>(cache.allocations()), mib(cache.bytes_copied()),
                    mib(cache.peak_bytes()), g.step_ms.empty() ? 0.0 : g.step_ms[0], decode_ms, tokens_per_s, same);
+      table += line;
       csv.row(kvs::ch02::growth_name(growth), cache.allocations(), cache.bytes_copied(), cache.peak_bytes(),
               g.step_ms.empty() ? 0.0 : g.step_ms[0], decode_ms, tokens_per_s);
     }
+    std::fprintf(stderr, "\n%-12s %11s %14s %13s %11s %13s %10s %12s\n%s", "policy", "allocations", "bytes copied",
+                 "peak cache", "prefill ms", "decode ms/tok", "tokens/s", "same tokens", table.c_str());
     if (!skip_naive && options.max_new_tokens > 1) {
       const double naive_ms = naive.decode_median_ms();
       std::fprintf(stderr, "%-12s %11s %14s %13s %11.2f %13.4f %10.0f\n", "(naive)", "-", "-", "-", naive.step_ms[0],

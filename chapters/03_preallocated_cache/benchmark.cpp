@@ -14,6 +14,7 @@
 #include "generate.h"
 #include "preallocated_kv_cache.h"
 #include "runtime.h"
+#include "timing.h"
 
 namespace {
 
@@ -50,13 +51,13 @@ int main(int argc, char** argv) {
   kvs::CommonOptions options;
   options.max_new_tokens = 64;
   std::string lengths_text = "32,128,512,1024,2048", memory_csv;
-  int naive_tokens = 8;
+  int naive_tokens = 8, repeats = 3;
   kvs::ArgParser parser(
       "03_benchmark",
       "Sweep over prompt lengths: time to first token (TTFT) and median per-token decode time for naive\n"
       "recompute (chapter 01), the concatenate and chunked growing caches (chapter 02) and the preallocated\n"
       "cache (chapter 03), on the same prompt (the start of the validation text). Each method runs once\n"
-      "untimed first (warm-up). A prompt length that leaves no room for the new tokens within the model's\n"
+      "untimed first (warm-up), then --repeats times; TTFT and decode times are medians over the runs.\nA prompt length that leaves no room for the new tokens within the model's\n"
       "context is shortened to context - new tokens. Prints a table with speedups relative to naive.\n"
       "CSV (--csv): method, prompt_tokens, ttft_ms, decode_ms_median, decode_steps, cache_bytes, threads.\n"
       "--memory-csv: method, positions, measured_bytes, analytic_bytes (cache bytes at the end of a run).");
@@ -65,6 +66,7 @@ int main(int argc, char** argv) {
                     &lengths_text);
   parser.add_int("--naive-tokens", "new tokens for naive generation, which is slow at long contexts (default 8)",
                  &naive_tokens, 2, 1 << 20);
+  parser.add_int("--repeats", "timed runs per method and length; medians are reported (default 3)", &repeats, 1, 1000);
   parser.add_string("--memory-csv", "PATH", "write the cache bytes measured at the end of each run", &memory_csv);
   parser.parse(argc, argv);
 
@@ -113,14 +115,21 @@ int main(int argc, char** argv) {
           return g;
         };
         run(false);  // warm-up
-        const kvs::Generation g = run(true);
+        std::vector<double> ttfts, decodes;
+        kvs::Generation g;
+        for (int r = 0; r < repeats; ++r) {
+          g = run(r == 0);
+          ttfts.push_back(g.step_ms[0]);
+          decodes.push_back(g.decode_median_ms());
+        }
+        const double ttft = kvs::median(ttfts), decode = kvs::median(decodes);
         const std::vector<int> generated(g.tokens.begin() + prompt_len, g.tokens.end());
         if (method == "naive") reference = generated;
         const bool same = std::equal(reference.begin(), reference.end(), generated.begin());
-        rows.push_back({method, prompt_len, g.step_ms[0], g.decode_median_ms(), new_tokens - 1, cache_bytes});
+        rows.push_back({method, prompt_len, ttft, decode, new_tokens - 1, cache_bytes});
         std::fprintf(stderr, "  prompt %5d  %-12s ttft %9.2f ms  decode %9.4f ms/token%s\n", prompt_len, method.c_str(),
-                     g.step_ms[0], g.decode_median_ms(), same ? "" : "  (tokens differ from naive!)");
-        csv.row(method, prompt_len, g.step_ms[0], g.decode_median_ms(), new_tokens - 1, cache_bytes, rt.backend.threads());
+                     ttft, decode, same ? "" : "  (tokens differ from naive!)");
+        csv.row(method, prompt_len, ttft, decode, new_tokens - 1, cache_bytes, rt.backend.threads());
         if (method != "naive")
           mem_csv.row(method, prompt_len + new_tokens, cache_bytes, kvs::kv_cache_bytes(c, prompt_len + new_tokens));
       }
