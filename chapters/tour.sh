@@ -15,8 +15,11 @@ banner "Chapter 00: the model we use (bits per byte on held-out text)"
 "$bin/00_perplexity" --max-bytes 32768
 banner "Chapter 01: naive generation (the whole sequence is recomputed for every token)"
 "$bin/01_naive_generation" --max-new-tokens 150
+echo  # end the chapter's text with a newline
 banner "Chapter 02: a cache that grows (concatenate per step vs chunked growth)"
 "$bin/02_dynamic_cache" --max-new-tokens 300
+echo  # end the chapter's text with a newline
 banner "Chapter 03: the preallocated cache (prefill, decode, memory, context wall)"
 "$bin/03_preallocated_cache" --max-new-tokens 300 --memory-budget 8GiB
+echo  # end the chapter's text with a newline
 banner "Done. Read book/README.md; every binary takes --help. Speed sweep and plots: bash plots/regenerate.sh"
