@@ -125,16 +125,20 @@ void ArgParser::parse(int argc, const char* const* argv) const {
   }
 }
 
-void add_common_flags(ArgParser& p, CommonOptions& o) {
+void add_common_flags(ArgParser& p, CommonOptions& o, const std::string& default_prompt, CommonFlags which) {
   p.add_string("--model", "PATH", "checkpoint to load (default: the shipped model, data/kjv-gpt.bin)", &o.model);
-  p.add_string("--prompt", "TEXT", "text to continue (default: the chapter's prompt)", &o.prompt, &o.prompt_given);
-  p.add_string("--prompt-file", "PATH", "read the prompt from a file instead", &o.prompt_file);
-  p.add_int("--max-new-tokens", "tokens to generate (default " + std::to_string(o.max_new_tokens) + ")",
-            &o.max_new_tokens, 0, 1 << 20);
-  p.add_float("--temperature", "0 = greedy (default), otherwise sample from softmax(logits / T)", &o.temperature,
-              0.0f, 100.0f);
-  p.add_int("--top-k", "sample among the K most likely tokens only (default 0 = all)", &o.top_k, 0, 1 << 21);
-  p.add_u64("--seed", "random seed for sampling (default " + std::to_string(o.seed) + ")", &o.seed);
+  if (which != CommonFlags::kModelOnly) {
+    p.add_string("--prompt", "TEXT", "text to continue (default: " + default_prompt + ")", &o.prompt, &o.prompt_given);
+    p.add_string("--prompt-file", "PATH", "read the prompt from a file instead", &o.prompt_file);
+    p.add_int("--max-new-tokens", "tokens to generate (default " + std::to_string(o.max_new_tokens) + ")",
+              &o.max_new_tokens, 0, 1 << 20);
+  }
+  if (which == CommonFlags::kGeneration) {
+    p.add_float("--temperature", "0 = greedy (default), otherwise sample from softmax(logits / T)", &o.temperature,
+                0.0f, 100.0f);
+    p.add_int("--top-k", "sample among the K most likely tokens only (default 0 = all)", &o.top_k, 0, 1 << 21);
+    p.add_u64("--seed", "random seed for sampling (default " + std::to_string(o.seed) + ")", &o.seed);
+  }
   p.add_int("--threads", "CPU threads for matrix products and attention (default: all cores)", &o.threads, 1, 1024);
   p.add_string("--csv", "PATH", "also write the measurements to this CSV file", &o.csv);
 }

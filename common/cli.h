@@ -56,8 +56,17 @@ struct CommonOptions {
   std::string csv;
 };
 
-// Registers the common flags; `defaults` provides the values shown in --help.
-void add_common_flags(ArgParser& parser, CommonOptions& options);
+// Which of the common flags a binary takes: a binary never accepts a flag it would ignore.
+enum class CommonFlags {
+  kGeneration,  // all of them (the chapters)
+  kGreedy,      // no --temperature, --top-k, --seed (a benchmark that must decode greedily)
+  kModelOnly,   // --model, --threads, --csv (reads a text instead of generating)
+};
+
+// Registers the common flags; `default_prompt` is described in --help (and the current option values are
+// shown as defaults).
+void add_common_flags(ArgParser& parser, CommonOptions& options, const std::string& default_prompt = "",
+                      CommonFlags which = CommonFlags::kGeneration);
 
 // A file of the repository's data/ folder, found from the binary's location or the source directory
 // baked in at configure time; throws std::runtime_error naming it when it is missing.

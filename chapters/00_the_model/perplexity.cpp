@@ -17,9 +17,10 @@ int main(int argc, char** argv) {
   kvs::ArgParser parser("00_perplexity",
                         "Chapter 00: how well the model predicts a text. The text is cut into chunks of --context\n"
                         "bytes; each chunk is one forward pass from position 0 that scores every next byte. Prints\n"
-                        "bits per byte and perplexity (per byte) to stdout, progress to stderr.\n"
+                        "bits per byte and perplexity (per byte) to stdout - its one line of results, as a\n"
+                        "chapter's text is - and progress to stderr.\n"
                         "CSV columns (--csv): text, bytes, context, chunks, bits_per_byte, perplexity, seconds.");
-  kvs::add_common_flags(parser, options);
+  kvs::add_common_flags(parser, options, "", kvs::CommonFlags::kModelOnly);
   parser.add_string("--text", "PATH", "text to evaluate (default: data/kjv/valid.txt, the held-out part)", &text_path);
   parser.add_int("--context", "bytes per chunk (default 512; at most the model's context)", &context, 1, 1 << 21);
   parser.add_int("--max-bytes", "evaluate only the first N bytes of the text (default 0 = all)", &max_bytes, 0,

@@ -44,7 +44,7 @@ int main(int argc, char** argv) {
                         "sequence so far, from position 0, with no cache. The text (prompt included) streams to\n"
                         "stdout; per-step times as the context grows, and tokens/s, go to stderr.\n"
                         "CSV columns (--csv): step, context_tokens, ms.");
-  kvs::add_common_flags(parser, options);
+  kvs::add_common_flags(parser, options, '"' + std::string(kDefaultPrompt) + '"');
   parser.parse(argc, argv);
 
   return kvs::run_main([&] {

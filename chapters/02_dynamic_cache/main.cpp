@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
                         "peak cache bytes and timings go to stderr, with a check against naive generation.\n"
                         "CSV columns (--csv): policy, allocations, bytes_copied, peak_cache_bytes, prefill_ms,\n"
                         "decode_ms_median, tokens_per_s.");
-  kvs::add_common_flags(parser, options);
+  kvs::add_common_flags(parser, options, '"' + std::string(kDefaultPrompt) + '"');
   parser.add_switch("--skip-naive", "do not run chapter 01's naive generation to compare the tokens", &skip_naive);
   parser.parse(argc, argv);
 

@@ -56,12 +56,12 @@ int main(int argc, char** argv) {
       "03_benchmark",
       "Sweep over prompt lengths: time to first token (TTFT) and median per-token decode time for naive\n"
       "recompute (chapter 01), the concatenate and chunked growing caches (chapter 02) and the preallocated\n"
-      "cache (chapter 03), on the same prompt (the start of the validation text). Each method runs once\n"
+      "cache (chapter 03), greedy, on the same prompt (the start of the validation text). Each method runs once\n"
       "untimed first (warm-up), then --repeats times; TTFT and decode times are medians over the runs.\nA prompt length that leaves no room for the new tokens within the model's\n"
       "context is shortened to context - new tokens. Prints a table with speedups relative to naive.\n"
       "CSV (--csv): method, prompt_tokens, ttft_ms, decode_ms_median, decode_steps, cache_bytes, threads.\n"
       "--memory-csv: method, positions, measured_bytes, analytic_bytes (cache bytes at the end of a run).");
-  kvs::add_common_flags(parser, options);
+  kvs::add_common_flags(parser, options, "data/kjv/valid.txt, the held-out text", kvs::CommonFlags::kGreedy);
   parser.add_string("--lengths", "LIST", "prompt lengths, comma-separated (default 32,128,512,1024,2048)",
                     &lengths_text);
   parser.add_int("--naive-tokens", "new tokens for naive generation, which is slow at long contexts (default 8)",
@@ -73,7 +73,6 @@ int main(int argc, char** argv) {
   return kvs::run_main([&] {
     const std::vector<int> lengths = parse_lengths(lengths_text);
     if (options.max_new_tokens < 2) throw std::runtime_error("--max-new-tokens must be at least 2 to time decoding");
-    options.temperature = 0.0f;  // greedy: every method must produce the same tokens
     std::string default_prompt;  // the held-out validation text: real prose the model never trained on
     if (!options.prompt_given && options.prompt_file.empty()) {
       std::ifstream in(kvs::find_data_file("kjv/valid.txt"), std::ios::binary);

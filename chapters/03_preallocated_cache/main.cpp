@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
       "context wall for --memory-budget go to stderr.\n"
       "CSV columns (--csv): prompt_tokens, new_tokens, prefill_chunk, prefill_ms, decode_ms_median,\n"
       "tokens_per_s, cache_positions, analytic_bytes, allocated_bytes, peak_rss_growth_bytes.");
-  kvs::add_common_flags(parser, options);
+  kvs::add_common_flags(parser, options, '"' + std::string(kDefaultPrompt) + '"');
   parser.add_int("--max-context", "positions to allocate the cache for (default: prompt + new tokens)", &max_context, 1,
                  1 << 21);
   parser.add_int("--prefill-chunk", "prefill the prompt in chunks of C positions (default 0: all at once)",
