@@ -131,3 +131,29 @@ TEST_CASE("chapter 00: perplexity of a small text; bad context is refused") {
   CHECK(bad.exit_code == 1);
   CHECK(bad.err.find("--context 1000 exceeds the model's context of 96") != std::string::npos);
 }
+
+TEST_CASE("03_benchmark: a small sweep runs, every cache matches naive, and the CSVs have one row per run") {
+  kvs::test::TempDir dir;
+  const std::string csv = dir.file("speed.csv"), mem = dir.file("mem.csv");
+  const auto r = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") +
+                             " --lengths 8,40 --max-new-tokens 6 --naive-tokens 3 --repeats 1 --threads 1 --csv " + csv +
+                             " --memory-csv " + mem);
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.empty());
+  CHECK(r.err.find("tokens differ") == std::string::npos);
+  CHECK(count_lines(csv) == 1 + 2 * 4);  // header + (2 lengths x 4 methods)
+  CHECK(count_lines(mem) == 1 + 2 * 3);  // the three caches
+  const auto bad = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") + " --lengths 8,x");
+  CHECK(bad.exit_code == 1);
+  CHECK(bad.err.find("--lengths expects positive whole numbers") != std::string::npos);
+}
+
+TEST_CASE("no binary accepts a flag it would ignore") {
+  const auto perplexity = run_command(binary("00_perplexity") + " --temperature 0.8");
+  CHECK(perplexity.exit_code == 2);
+  CHECK(perplexity.err.find("unknown option '--temperature'") != std::string::npos);
+  const auto benchmark = run_command(binary("03_benchmark") + " --top-k 5");
+  CHECK(benchmark.exit_code == 2);
+  CHECK(benchmark.err.find("unknown option '--top-k'") != std::string::npos);
+}
