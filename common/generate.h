@@ -16,7 +16,12 @@ struct Generation {
   std::vector<int> tokens;      // prompt, then the generated tokens
   std::vector<double> step_ms;  // step_ms[s]: wall time to produce generated token s; s = 0 is the time to
                                 // first token (the prompt's forward pass), s > 0 are decode steps
-  double decode_median_ms() const;  // median of step_ms[1..]
+  double ttft_ms() const { return step_ms.empty() ? 0.0 : step_ms[0]; }
+  double decode_median_ms() const;  // median of step_ms[1..]; 0 without decode steps
+  double decode_tokens_per_s() const {
+    const double ms = decode_median_ms();
+    return ms > 0 ? 1000.0 / ms : 0.0;
+  }
 };
 
 using OnToken = std::function<void(int token)>;

@@ -33,7 +33,7 @@ Runtime::Runtime(const CommonOptions& options, const std::string& default_prompt
                              std::to_string(context) + " positions; shorten the prompt or lower --max-new-tokens");
 }
 
-std::string Runtime::describe() const {
+std::string describe_setup(const Checkpoint& checkpoint, const CpuBackend& backend) {
   const ModelConfig& c = checkpoint.config();
   std::ostringstream out;
   out << "model " << std::filesystem::path(checkpoint.path()).filename().string() << ": dim " << c.dim << ", "

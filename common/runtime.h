@@ -15,6 +15,9 @@
 
 namespace kvs {
 
+// One line for stderr: model shape, backend and threads.
+std::string describe_setup(const Checkpoint& checkpoint, const CpuBackend& backend);
+
 // Whether the prompt plus --max-new-tokens must fit the model's context (a chapter), or the caller cuts
 // its own prompts from a longer text (a benchmark).
 enum class PromptFit { kMustFit, kCutByCaller };
@@ -25,8 +28,7 @@ class Runtime {
   Runtime(const CommonOptions& options, const std::string& default_prompt, PromptFit fit = PromptFit::kMustFit);
   Runtime(const Runtime&) = delete;
 
-  // One line for stderr: model shape, backend and threads.
-  std::string describe() const;
+  std::string describe() const { return describe_setup(checkpoint, backend); }
 
   // A sampler at the start of its random sequence: every run of a comparison gets a fresh one.
   Sampler new_sampler() const { return Sampler(checkpoint.config().vocab_size, sampling); }

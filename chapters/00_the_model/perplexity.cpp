@@ -28,24 +28,26 @@ int main(int argc, char** argv) {
   parser.parse(argc, argv);
 
   return kvs::run_main([&] {
-    options.max_new_tokens = 0;
-    kvs::Runtime rt(options, "-");  // no prompt: the text below is what the model reads
+    // No prompt, no sampler: just the model, reading the text below.
+    const kvs::Checkpoint checkpoint(kvs::resolve_model_path(options));
+    kvs::CpuBackend backend(options.threads);
+    kvs::Model model(checkpoint, backend);
     if (text_path.empty()) text_path = kvs::find_data_file("kjv/valid.txt");
     std::ifstream in(text_path, std::ios::binary);
     if (!in) throw std::runtime_error("cannot read --text " + text_path);
     std::string text(std::istreambuf_iterator<char>(in), {});
     if (text.size() > (1u << 30)) throw std::runtime_error("--text " + text_path + " is larger than 1 GiB; pass --max-bytes");
     if (max_bytes > 0 && static_cast<int>(text.size()) > max_bytes) text.resize(max_bytes);
-    if (context > rt.model.config().seq_len)
+    if (context > checkpoint.config().seq_len)
       throw std::runtime_error("--context " + std::to_string(context) + " exceeds the model's context of " +
-                               std::to_string(rt.model.config().seq_len));
+                               std::to_string(checkpoint.config().seq_len));
     kvs::CsvWriter csv(options.csv, "text,bytes,context,chunks,bits_per_byte,perplexity,seconds");
-    std::cerr << rt.describe() << "\nevaluating " << text.size() << " bytes of " << text_path << " in chunks of "
+    std::cerr << kvs::describe_setup(checkpoint, backend) << "\nevaluating " << text.size() << " bytes of " << text_path << " in chunks of "
               << context << "\n";
 
     const kvs::Stopwatch timer;
     const std::vector<int> tokens = kvs::encode_bytes(text);
-    const kvs::Perplexity p = kvs::evaluate_perplexity(rt.model, tokens, context, [](int done, int total) {
+    const kvs::Perplexity p = kvs::evaluate_perplexity(model, tokens, context, [](int done, int total) {
       if (done % 10 == 0 || done == total) std::fprintf(stderr, "\r  chunk %d / %d", done, total);
     });
     const double seconds = timer.milliseconds() / 1000;

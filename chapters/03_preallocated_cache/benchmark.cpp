@@ -118,7 +118,7 @@ int main(int argc, char** argv) {
         kvs::Generation g;
         for (int r = 0; r < repeats; ++r) {
           g = run(r == 0);
-          ttfts.push_back(g.step_ms[0]);
+          ttfts.push_back(g.ttft_ms());
           decodes.push_back(g.decode_median_ms());
         }
         const double ttft = kvs::median(ttfts), decode = kvs::median(decodes);

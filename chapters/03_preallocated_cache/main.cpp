@@ -97,13 +97,12 @@ int main(int argc, char** argv) {
     const long rss_growth = peak_rss_bytes() - rss_before;
     std::fflush(stdout);
 
-    const double prefill_ms = g.step_ms.empty() ? 0.0 : g.step_ms[0];
-    const double decode_ms = g.decode_median_ms();
     if (options.max_new_tokens > 0)
-      std::fprintf(stderr, "\n\nprefill (time to first token): %.2f ms for %zu positions\n", prefill_ms, rt.prompt.size());
+      std::fprintf(stderr, "\n\nprefill (time to first token): %.2f ms for %zu positions\n", g.ttft_ms(), rt.prompt.size());
     if (options.max_new_tokens > 1)
       std::fprintf(stderr, "decode: median %.4f ms per token, %.0f tokens/s; heap allocations during the %d decode "
-                           "steps: %ld\n", decode_ms, 1000.0 / decode_ms, options.max_new_tokens - 1, decode_allocations);
+                           "steps: %ld\n", g.decode_median_ms(), g.decode_tokens_per_s(), options.max_new_tokens - 1,
+                   decode_allocations);
 
     if (prefill_chunk > 0 && options.max_new_tokens > 0) {
       // Chunked prefill must give the logits of one-shot prefill: compare on a fresh cache.
@@ -125,8 +124,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "  peak RSS growth during the run: %s (pages are only backed when first written)\n",
                  kvs::ch03::format_bytes(std::max(0L, rss_growth)).c_str());
     kvs::ch03::print_memory_comparison(c, budget);
-    csv.row(rt.prompt.size(), options.max_new_tokens, prefill_chunk, prefill_ms, decode_ms,
-            decode_ms > 0 ? 1000.0 / decode_ms : 0.0, max_context, analytic, cache.allocated_bytes(), rss_growth);
+    csv.row(rt.prompt.size(), options.max_new_tokens, prefill_chunk, g.ttft_ms(), g.decode_median_ms(),
+            g.decode_tokens_per_s(), max_context, analytic, cache.allocated_bytes(), rss_growth);
     if (csv.enabled()) std::cerr << "wrote " << csv.path() << "\n";
     return 0;
   });
