@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 
@@ -77,12 +78,13 @@ std::size_t checkpoint_bytes(const ModelConfig& config) {
 }
 
 Checkpoint::Checkpoint(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
+  // O_NONBLOCK: opening a FIFO must not wait for a writer before the kind of file is checked.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) fail(path, std::string("cannot open: ") + std::strerror(errno) + " (check the --model path)");
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
-    fail(path, "not a regular file");
+    fail(path, "not a regular file (a directory, a device or a pipe); give a checkpoint file");
   }
   const auto size = static_cast<std::size_t>(st.st_size);
   if (size < kHeaderBytes) {
@@ -177,8 +179,18 @@ void write_checkpoint(const std::string& path, const ModelConfig& c, const HostW
                          c.shared_classifier ? c.vocab_size : -c.vocab_size, c.seq_len};
   validate_header(header, path);
 
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) fail(path, std::string("cannot open for writing: ") + std::strerror(errno));
+  // Written to a temporary file beside `path`, then renamed over it: a process that has the old file
+  // mapped keeps reading the old file (truncating it in place would kill that process with SIGBUS), and
+  // an interrupted write leaves the old file whole.
+  std::string temp = path + ".XXXXXX";
+  const int fd = ::mkstemp(temp.data());
+  if (fd < 0) fail(path, std::string("cannot open for writing: ") + std::strerror(errno));
+  ::close(fd);
+  std::ofstream out(temp, std::ios::binary | std::ios::trunc);
+  if (!out) {
+    ::unlink(temp.c_str());
+    fail(path, std::string("cannot open for writing: ") + std::strerror(errno));
+  }
   auto put = [&out](const float* data, std::size_t floats) {
     out.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(floats * sizeof(float)));
   };
@@ -198,7 +210,18 @@ void write_checkpoint(const std::string& path, const ModelConfig& c, const HostW
   put(sin_table.data(), sin_table.size());
   if (!c.shared_classifier) put(w.classifier.data(), w.classifier.size());
   out.close();
-  if (!out) fail(path, "write failed (disk full?)");
+  if (!out) {
+    ::unlink(temp.c_str());
+    fail(path, "write failed (disk full?)");
+  }
+  const mode_t mask = ::umask(0);  // mkstemp makes the file private; give it the usual permissions
+  ::umask(mask);
+  ::chmod(temp.c_str(), 0666 & ~mask);
+  if (std::rename(temp.c_str(), path.c_str()) != 0) {
+    const int error = errno;
+    ::unlink(temp.c_str());
+    fail(path, std::string("cannot replace the file: ") + std::strerror(error));
+  }
 }
 
 }  // namespace kvs

@@ -1,14 +1,20 @@
 #include "cli.h"
 
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
+#include <new>
 #include <sstream>
 #include <stdexcept>
 
@@ -19,10 +25,10 @@ ArgParser::ArgParser(std::string program, std::string description)
     : program_(std::move(program)), description_(std::move(description)) {}
 
 void ArgParser::add_string(const std::string& name, const std::string& value_name, const std::string& help,
-                           std::string* target, bool* given) {
-  flags_.push_back({name, value_name, help, [target, given](const std::string& v) {
+                           std::string* target) {
+  flags_.push_back({name, value_name, help, [target](const std::string& v) {
+                      if (v.empty()) return std::string("needs a non-empty value");
                       *target = v;
-                      if (given) *given = true;
                       return std::string();
                     }});
 }
@@ -64,6 +70,19 @@ void ArgParser::add_float(const std::string& name, const std::string& help, floa
                     }});
 }
 
+void ArgParser::add_bytes(const std::string& name, const std::string& help, std::int64_t* target) {
+  flags_.push_back({name, "SIZE", help, [target](const std::string& v) {
+                      try {
+                        *target = parse_bytes(v);
+                      } catch (const std::invalid_argument&) {
+                        return std::string("expects a size of at least 1 byte, such as 512MiB or 1.5GiB");
+                      }
+                      return std::string();
+                    }});
+}
+
+void ArgParser::add_check(std::function<std::string()> check) { checks_.push_back(std::move(check)); }
+
 void ArgParser::add_switch(const std::string& name, const std::string& help, bool* target) {
   flags_.push_back({name, "", help, [target](const std::string&) {
                       *target = true;
@@ -90,7 +109,8 @@ std::string ArgParser::usage() const {
   return out.str();
 }
 
-ArgParser::Outcome ArgParser::try_parse(int argc, const char* const* argv) const {
+ArgParser::Outcome ArgParser::try_parse(int argc, const char* const* argv) {
+  given_.clear();
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i], value;
     if (arg == "--help" || arg == "-h") return {.help = true, .error = {}};
@@ -108,12 +128,18 @@ ArgParser::Outcome ArgParser::try_parse(int argc, const char* const* argv) const
       if (i + 1 >= argc) return {.help = false, .error = arg + " needs a value (" + flag->value_name + ")"};
       value = argv[++i];
     }
-    if (std::string why = flag->set(value); !why.empty()) return {.help = false, .error = arg + " " + why + ", got '" + value + "'"};
+    if (std::string why = flag->set(value); !why.empty()) {
+      if (value.empty()) return {.help = false, .error = arg + " " + why};
+      return {.help = false, .error = arg + " " + why + ", got '" + value + "'"};
+    }
+    given_.insert(arg);
   }
+  for (const auto& check : checks_)
+    if (std::string why = check(); !why.empty()) return {.help = false, .error = why};
   return {};
 }
 
-void ArgParser::parse(int argc, const char* const* argv) const {
+void ArgParser::parse(int argc, const char* const* argv) {
   const Outcome outcome = try_parse(argc, argv);
   if (outcome.help) {
     std::cout << usage();
@@ -128,7 +154,7 @@ void ArgParser::parse(int argc, const char* const* argv) const {
 void add_common_flags(ArgParser& p, CommonOptions& o, const std::string& default_prompt, CommonFlags which) {
   p.add_string("--model", "PATH", "checkpoint to load (default: the shipped model, data/kjv-gpt.bin)", &o.model);
   if (which != CommonFlags::kModelOnly) {
-    p.add_string("--prompt", "TEXT", "text to continue (default: " + default_prompt + ")", &o.prompt, &o.prompt_given);
+    p.add_string("--prompt", "TEXT", "text to continue (default: " + default_prompt + ")", &o.prompt);
     p.add_string("--prompt-file", "PATH", "read the prompt from a file instead", &o.prompt_file);
     p.add_int("--max-new-tokens", "tokens to generate (default " + std::to_string(o.max_new_tokens) + ")",
               &o.max_new_tokens, 0, 1 << 20);
@@ -138,9 +164,97 @@ void add_common_flags(ArgParser& p, CommonOptions& o, const std::string& default
                 0.0f, 100.0f);
     p.add_int("--top-k", "sample among the K most likely tokens only (default 0 = all)", &o.top_k, 0, 1 << 21);
     p.add_u64("--seed", "random seed for sampling (default " + std::to_string(o.seed) + ")", &o.seed);
+    p.add_check([&p, &o] {
+      if (o.temperature > 0 || (!p.given("--top-k") && !p.given("--seed"))) return std::string();
+      return std::string("--top-k and --seed only apply when sampling; add --temperature T (T > 0) or drop them");
+    });
   }
   p.add_int("--threads", "CPU threads for matrix products and attention (default: all cores)", &o.threads, 1, 1024);
+  p.add_check([&o] {
+    const int cores = available_cores();
+    if (o.threads <= cores) return std::string();
+    return "--threads " + std::to_string(o.threads) + " is more than the " + std::to_string(cores) + " core" +
+           (cores > 1 ? "s" : "") + " this process may use; pass at most " + std::to_string(cores) +
+           " (an extra thread waits for a core on every step: many times slower)";
+  });
   p.add_string("--csv", "PATH", "also write the measurements to this CSV file", &o.csv);
+  p.add_bytes("--memory-limit",
+              "refuse to start a run whose weights, working buffers and KV cache need more than SIZE (default " +
+                  format_bytes(double(o.memory_limit)) + ")",
+              &o.memory_limit);
+}
+
+int available_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+  return std::max(1, CPU_COUNT(&set));
+}
+
+std::int64_t parse_bytes(const std::string& text) {
+  std::size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = text.substr(used);
+  double scale = 0;
+  if (unit.empty() || unit == "B") scale = 1;
+  else if (unit == "K" || unit == "KB" || unit == "KiB") scale = 1024.0;
+  else if (unit == "M" || unit == "MB" || unit == "MiB") scale = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GB" || unit == "GiB") scale = 1024.0 * 1024 * 1024;
+  else if (unit == "T" || unit == "TB" || unit == "TiB") scale = 1024.0 * 1024 * 1024 * 1024;
+  const double exact = value * scale, bytes = std::round(exact);
+  // Rounding to whole bytes may not change the size noticeably: 0.5 or 1e-9GiB is not a size, 0.1GiB is.
+  if (used == 0 || scale == 0 || !std::isfinite(exact) || exact < 1 || bytes > 9.0e18 ||
+      std::abs(bytes - exact) > 0.01 * exact)
+    throw std::invalid_argument("expects a size of at least 1 byte such as 512MiB or 16GiB, got '" + text + "'");
+  return static_cast<std::int64_t>(bytes);
+}
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) bytes /= 1024, ++u;
+  char out[32];
+  std::snprintf(out, sizeof out, bytes == std::floor(bytes) ? "%.0f %s" : "%.1f %s", bytes, units[u]);
+  return out;
+}
+
+std::string read_input_file(const std::string& flag, const std::string& path, std::size_t max_bytes, bool truncate) {
+  const std::string what = flag + " " + path;
+  // O_NONBLOCK: opening a FIFO must not wait for a writer before its kind is checked.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error("cannot read " + what + ": " + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw std::runtime_error(what + " is not a regular file (a directory, a device or a pipe); give a text file");
+  }
+  const auto size = static_cast<std::size_t>(st.st_size);
+  if (size > max_bytes && !truncate) {
+    ::close(fd);
+    throw std::runtime_error(what + " is " + format_bytes(double(size)) + ", more than the " +
+                             format_bytes(double(max_bytes)) + " it may hold");
+  }
+  std::string text(std::min(size, max_bytes), '\0');
+  std::size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t got = ::read(fd, text.data() + done, text.size() - done);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) {
+      const int error = errno;
+      ::close(fd);
+      throw std::runtime_error("cannot read " + what + ": " + std::strerror(error));
+    }
+    if (got == 0) break;  // the file shrank while being read
+    done += static_cast<std::size_t>(got);
+  }
+  ::close(fd);
+  text.resize(done);
+  return text;
 }
 
 namespace {
@@ -153,14 +267,24 @@ fs::path executable_dir() {
 
 }  // namespace
 
+std::string repository_root_above(const std::string& start) {
+  std::error_code ec;
+  for (fs::path dir = fs::weakly_canonical(start, ec); !ec && !dir.empty(); dir = dir.parent_path()) {
+    if (fs::exists(dir / "common" / "model.h", ec) && fs::is_directory(dir / "data", ec)) return dir.string();
+    if (dir == dir.parent_path()) break;
+  }
+  return {};
+}
+
 std::string find_data_file(const std::string& relative) {
-  // The binaries live in build/<preset>/bin, three levels below the repository; the source directory
-  // baked in at configure time covers builds placed elsewhere.
-  const fs::path candidates[] = {executable_dir() / "../../../data" / relative,
-                                 fs::path(KVS_SOURCE_DIR) / "data" / relative};
-  for (const fs::path& c : candidates)
-    if (fs::exists(c)) return fs::weakly_canonical(c).string();
-  throw std::runtime_error("data/" + relative + " was not found (looked in " + candidates[1].parent_path().string() + ")");
+  // The repository the binary was built in (build/<preset>/bin, build/bin, or anywhere below it), else
+  // the source directory baked in at configure time, for builds placed outside the repository.
+  std::vector<fs::path> roots;
+  if (const std::string root = repository_root_above(executable_dir().string()); !root.empty()) roots.push_back(root);
+  roots.push_back(KVS_SOURCE_DIR);
+  for (const fs::path& root : roots)
+    if (fs::exists(root / "data" / relative)) return fs::weakly_canonical(root / "data" / relative).string();
+  throw std::runtime_error("data/" + relative + " was not found (looked in " + (roots.front() / "data").string() + ")");
 }
 
 std::string resolve_model_path(const CommonOptions& options) {
@@ -173,28 +297,39 @@ std::string resolve_model_path(const CommonOptions& options) {
 }
 
 std::string resolve_prompt(const CommonOptions& options, const std::string& default_prompt) {
-  if (options.prompt_given && !options.prompt_file.empty())
-    throw std::runtime_error("--prompt and --prompt-file both given; pass one of them");
-  if (options.prompt_given && options.prompt.empty())
-    throw std::runtime_error("--prompt is empty; give some text to continue");
-  std::string prompt = options.prompt;
-  if (!options.prompt_file.empty()) {
-    std::ifstream in(options.prompt_file, std::ios::binary);
-    if (!in) throw std::runtime_error("cannot read --prompt-file " + options.prompt_file);
-    prompt.assign(std::istreambuf_iterator<char>(in), {});
-    if (prompt.empty()) throw std::runtime_error("--prompt-file " + options.prompt_file + " is empty");
-  }
-  return prompt.empty() ? default_prompt : prompt;
+  if (!options.prompt.empty() && !options.prompt_file.empty())
+    throw UsageError("--prompt and --prompt-file both given; pass one of them");
+  if (options.prompt_file.empty()) return options.prompt.empty() ? default_prompt : options.prompt;
+  // No prompt can be longer than the largest context a checkpoint may declare (2^21 positions); the
+  // benchmark cuts its prompts from longer texts, so allow some room.
+  const std::string prompt = read_input_file("--prompt-file", options.prompt_file, std::size_t{64} << 20);
+  if (prompt.empty()) throw std::runtime_error("--prompt-file " + options.prompt_file + " is empty");
+  return prompt;
 }
 
-int run_main(const std::function<int()>& body) {
-  try {
-    return body();
-  } catch (const std::exception& e) {
+int run_main(const ArgParser& parser, const std::function<int()>& body) {
+  auto report = [&](const std::string& what, int code) {
     std::fflush(stdout);
-    std::cerr << "\nerror: " << e.what() << "\n";
-    return 1;
+    // On a terminal the streamed text may end mid-line; start the error on a line of its own.
+    if (isatty(STDOUT_FILENO) && isatty(STDERR_FILENO)) std::cerr << "\n";
+    std::cerr << parser.program() << ": error: " << what
+              << (code == 2 ? " (run " + parser.program() + " --help for usage)" : "") << "\n";
+    return code;
+  };
+  int code = 0;
+  try {
+    code = body();
+  } catch (const UsageError& e) {
+    return report(e.what(), 2);
+  } catch (const std::bad_alloc&) {
+    return report("out of memory; lower --max-new-tokens, the prompt or the context, or use a smaller model", 1);
+  } catch (const std::exception& e) {
+    return report(e.what(), 1);
   }
+  std::cout.flush();
+  if (std::fflush(stdout) != 0 || std::ferror(stdout) || !std::cout)
+    return report(std::string("cannot write to standard output: ") + std::strerror(errno ? errno : EIO), 1);
+  return code;
 }
 
 }  // namespace kvs

@@ -7,12 +7,9 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
-#include <thread>
+#include <new>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
+#include "cli.h"
 #include "rope.h"
 
 namespace kvs {
@@ -24,18 +21,19 @@ constexpr float kRmsEps = 1e-5f;
 
 }  // namespace
 
-CpuBackend::CpuBackend(int threads)
-    : threads_(threads > 0 ? threads : std::max(1u, std::thread::hardware_concurrency())) {
-  Eigen::setNbThreads(threads_);
-#ifdef _OPENMP
-  omp_set_num_threads(threads_);
-#endif
-}
+// Nothing process-wide is set here: two backends in one process must not change each other's thread count.
+// Each operation states its own (Eigen's count before a product, num_threads on our OpenMP loop).
+CpuBackend::CpuBackend(int threads) : threads_(threads > 0 ? threads : available_cores()) {}
 
 float* CpuBackend::allocate(std::size_t floats) {
   // Uninitialised, like malloc: every buffer is written before it is read, and the operating system
   // only backs pages with memory when they are first written (chapter 03 measures that).
-  return static_cast<float*>(Eigen::internal::aligned_malloc(std::max<std::size_t>(floats, 1) * sizeof(float)));
+  try {
+    return static_cast<float*>(Eigen::internal::aligned_malloc(std::max<std::size_t>(floats, 1) * sizeof(float)));
+  } catch (const std::bad_alloc&) {
+    throw std::runtime_error("cannot allocate " + format_bytes(double(floats) * sizeof(float)) +
+                             " of memory; use fewer positions or a smaller model");
+  }
 }
 
 void CpuBackend::release(float* p) { Eigen::internal::aligned_free(p); }
@@ -57,6 +55,7 @@ void CpuBackend::matmul(float* out, const float* x, const float* w, int n, int d
   Eigen::Map<const RowMajor> W(w, d_out, d_in);
   Eigen::Map<const RowMajor> X(x, n, d_in);
   Eigen::Map<RowMajor> Out(out, n, d_out);
+  Eigen::setNbThreads(threads_);  // a plain store: this backend's count, whatever another backend set
   // One position is a matrix-vector product (Eigen dispatches it to GEMV), many are a GEMM.
   Out.noalias() = X * W.transpose();
 }
@@ -137,7 +136,7 @@ void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvV
   // Heads are independent: one per thread. A one-thread OpenMP region is avoided, not just disabled with
   // if(): libgomp allocates a team for it on every call, i.e. on every decode step.
   if (threads_ > 1 && shape.n_heads > 1) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads_)
     for (int h = 0; h < shape.n_heads; ++h) one_head(h);
   } else {
     for (int h = 0; h < shape.n_heads; ++h) one_head(h);

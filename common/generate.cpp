@@ -1,6 +1,8 @@
 #include "generate.h"
 
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 
 #include "timing.h"
 
@@ -13,6 +15,9 @@ double Generation::decode_median_ms() const {
 namespace {
 
 Generation start(std::span<const int> prompt, int max_new_tokens) {
+  // The first token is sampled from the prompt's last logits: without a prompt there are none.
+  if (prompt.empty()) throw std::invalid_argument("generate: an empty prompt; give at least one token");
+  if (max_new_tokens < 0) throw std::invalid_argument("generate: a negative number of new tokens");
   Generation g;
   g.tokens.reserve(prompt.size() + max_new_tokens);  // the loops below never reallocate
   g.tokens.assign(prompt.begin(), prompt.end());
@@ -46,6 +51,9 @@ Generation generate_cached(Model& model, KvCache& cache, Sampler& sampler, std::
                            int max_new_tokens, int prefill_chunk, const OnToken& on_token,
                            const OnLogits& on_logits) {
   Generation g = start(prompt, max_new_tokens);
+  if (cache.length() != 0)
+    throw std::invalid_argument("generate_cached: the cache already holds " + std::to_string(cache.length()) +
+                                " positions; start from an empty cache");
   if (max_new_tokens == 0) return g;
   const int prompt_len = static_cast<int>(prompt.size());
   const int chunk = prefill_chunk > 0 ? prefill_chunk : prompt_len;

@@ -36,7 +36,7 @@ Generation generate_naive(Model& model, Sampler& sampler, std::span<const int> p
 // Chapters 02-03: prefill - the prompt's positions go through the model once, in chunks of
 // `prefill_chunk` positions (0 = the whole prompt in one call) - and their K/V into `cache`; then decode -
 // each new token is one forward pass over one position that reads every earlier position from the cache.
-// The cache must be empty (nothing cached yet).
+// The cache must be empty (nothing cached yet). Both loops throw std::invalid_argument for an empty prompt.
 Generation generate_cached(Model& model, KvCache& cache, Sampler& sampler, std::span<const int> prompt,
                            int max_new_tokens, int prefill_chunk = 0, const OnToken& on_token = {},
                            const OnLogits& on_logits = {});

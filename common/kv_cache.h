@@ -45,6 +45,8 @@ class KvCache {
   virtual void write(int layer, int pos, int n, const float* k, const float* v) = 0;
   // What this layer's attention reads; includes the positions just written.
   virtual KvView view(int layer) const = 0;
+  // Positions cached so far: the next forward pass starts here (0 for a fresh cache).
+  virtual int length() const = 0;
 };
 
 // "No cache": the keys and values of the current call only, read straight from the model's k and v
@@ -58,6 +60,7 @@ class CallLocalKv final : public KvCache {
   KvView view(int) const override {
     return KvView{.keys = k_, .values = v_, .rows = n_, .row_stride = kv_dim_, .first_position = pos_};
   }
+  int length() const override { return 0; }  // nothing survives a call
 
  private:
   int kv_dim_;

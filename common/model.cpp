@@ -4,6 +4,26 @@
 #include <string>
 
 namespace kvs {
+namespace {
+
+// Floats of each working buffer for calls of up to `n` positions (the shapes in model.h).
+struct WorkingSizes {
+  std::size_t x, q, kv, hidden, rope, logits, scratch;
+  WorkingSizes(const ModelConfig& c, const Backend& backend, std::size_t n, int max_kv_rows)
+      : x(n * c.dim), q(n * c.dim), kv(n * c.kv_dim()), hidden(n * c.hidden_dim), rope(n * c.head_dim()),
+        logits(n * c.vocab_size),
+        scratch(backend.attention_scratch_floats({c.n_heads, c.n_kv_heads, c.head_dim()}, max_kv_rows)) {}
+  std::size_t device_floats() const { return 3 * x + q + 2 * kv + 2 * hidden + rope + logits + scratch; }
+  std::size_t host_floats() const { return logits; }
+};
+
+}  // namespace
+
+std::int64_t Model::working_bytes(const ModelConfig& config, const Backend& backend, int max_tokens_per_call,
+                                  int max_kv_rows) {
+  const WorkingSizes s(config, backend, max_tokens_per_call, max_kv_rows);
+  return std::int64_t(s.device_floats() + s.host_floats()) * std::int64_t{sizeof(float)};
+}
 
 Model::Model(const Checkpoint& checkpoint, Backend& backend, int max_tokens_per_call, int max_kv_rows)
     : config_(checkpoint.config()),
@@ -33,20 +53,19 @@ Model::Model(const Checkpoint& checkpoint, Backend& backend, int max_tokens_per_
   rms_final_ = upload(t.rms_final, dim);
   classifier_ = c.shared_classifier ? token_embedding_ : upload(t.classifier, vocab * dim);
 
-  const std::size_t n = max_tokens_;
-  x_ = Buffer(backend, n * dim);
-  xb_ = Buffer(backend, n * dim);
-  q_ = Buffer(backend, n * dim);
-  k_ = Buffer(backend, n * kv_dim);
-  v_ = Buffer(backend, n * kv_dim);
-  att_ = Buffer(backend, n * dim);
-  hb_ = Buffer(backend, n * hidden);
-  hb2_ = Buffer(backend, n * hidden);
-  rope_ = Buffer(backend, n * c.head_dim());
-  logits_ = Buffer(backend, n * vocab);
-  const AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim()};
-  scratch_ = Buffer(backend, backend.attention_scratch_floats(shape, max_kv_rows_));
-  host_logits_.resize(n * vocab);
+  const WorkingSizes size(c, backend, max_tokens_, max_kv_rows_);
+  x_ = Buffer(backend, size.x);
+  xb_ = Buffer(backend, size.x);
+  q_ = Buffer(backend, size.q);
+  k_ = Buffer(backend, size.kv);
+  v_ = Buffer(backend, size.kv);
+  att_ = Buffer(backend, size.x);
+  hb_ = Buffer(backend, size.hidden);
+  hb2_ = Buffer(backend, size.hidden);
+  rope_ = Buffer(backend, size.rope);
+  logits_ = Buffer(backend, size.logits);
+  scratch_ = Buffer(backend, size.scratch);
+  host_logits_.resize(size.host_floats());
 }
 
 std::span<const float> Model::forward(std::span<const int> tokens, int pos, KvCache* cache, Logits which) {

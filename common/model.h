@@ -1,5 +1,6 @@
 #pragma once
 // The small GPT: a Llama-style decoder, computing exactly what llama2.c's run.c computes.
+#include <cstdint>
 #include <span>
 #include <vector>
 
@@ -18,12 +19,19 @@ class Model {
   // max_tokens_per_call positions and attention views of up to max_kv_rows rows (0 = the model's seq_len).
   Model(const Checkpoint& checkpoint, Backend& backend, int max_tokens_per_call = 0, int max_kv_rows = 0);
 
+  // A run sizes them for the longest call it will make, not for the trained context: seq_len may be far
+  // larger than any call (see working_bytes).
+
   // Runs the model on `tokens` at positions pos .. pos + n - 1 and returns their logits on the host:
   // (1, vocab) for the last position or (n, vocab) for all of them. Keys and values go through `cache`;
   // with no cache, attention sees only this call's tokens (so pos = 0 with the whole sequence is the
   // naive full recompute). Allocates nothing. Throws std::invalid_argument for a call that does not fit.
   std::span<const float> forward(std::span<const int> tokens, int pos, KvCache* cache = nullptr,
                                  Logits which = Logits::kLastPosition);
+
+  // Bytes of working buffers a model set up this way allocates (device and host), before it is built.
+  static std::int64_t working_bytes(const ModelConfig& config, const Backend& backend, int max_tokens_per_call,
+                                    int max_kv_rows);
 
   const ModelConfig& config() const { return config_; }
   Backend& backend() { return backend_; }

@@ -1,5 +1,6 @@
 #include "runtime.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <sstream>
 
@@ -17,20 +18,53 @@ Checkpoint load_for_chapters(const CommonOptions& options) {
   return checkpoint;
 }
 
+// The longest sequence the run will process, after checking that the prompt fits; then the memory check.
+MemoryPlan plan_run(const CommonOptions& options, const Checkpoint& checkpoint, const Backend& backend,
+                    std::size_t prompt_tokens, PromptFit fit, int longest_sequence) {
+  const int context = checkpoint.config().seq_len;
+  if (prompt_tokens == 0) throw UsageError("the prompt is empty; pass --prompt TEXT");
+  const long needed = static_cast<long>(prompt_tokens) + options.max_new_tokens;
+  if (fit == PromptFit::kMustFit && needed > context)
+    throw UsageError("the prompt (" + std::to_string(prompt_tokens) + " tokens) plus --max-new-tokens " +
+                     std::to_string(options.max_new_tokens) + " exceeds the model's context of " +
+                     std::to_string(context) + " positions; shorten the prompt or lower --max-new-tokens");
+  const int positions = static_cast<int>(std::min<long>(longest_sequence > 0 ? longest_sequence : needed, context));
+  MemoryPlan plan = plan_memory(checkpoint, backend, std::max(positions, 1), positions);
+  check_memory(plan, options.memory_limit);
+  return plan;
+}
+
 }  // namespace
 
-Runtime::Runtime(const CommonOptions& options, const std::string& default_prompt, PromptFit fit)
+Runtime::Runtime(const CommonOptions& options, const std::string& default_prompt, PromptFit fit, int longest_sequence)
     : checkpoint(load_for_chapters(options)),
-      backend(options.threads),
-      model(checkpoint, backend),
+      prompt_file(options.prompt_file),
       prompt(encode_bytes(resolve_prompt(options, default_prompt))),
-      sampling{options.temperature, options.top_k, options.seed} {
-  const int context = checkpoint.config().seq_len;
-  if (prompt.empty()) throw std::runtime_error("the prompt is empty; pass --prompt TEXT");
-  if (fit == PromptFit::kMustFit && static_cast<long>(prompt.size()) + options.max_new_tokens > context)
-    throw std::runtime_error("the prompt (" + std::to_string(prompt.size()) + " tokens) plus --max-new-tokens " +
-                             std::to_string(options.max_new_tokens) + " exceeds the model's context of " +
-                             std::to_string(context) + " positions; shorten the prompt or lower --max-new-tokens");
+      sampling{options.temperature, options.top_k, options.seed},
+      backend(options.threads),
+      memory(plan_run(options, checkpoint, backend, prompt.size(), fit, longest_sequence)),
+      model(checkpoint, backend, memory.positions, memory.positions) {}
+
+MemoryPlan plan_memory(const Checkpoint& checkpoint, const Backend& backend, int positions, int cache_positions) {
+  const ModelConfig& c = checkpoint.config();
+  return MemoryPlan{.weights = static_cast<std::int64_t>(checkpoint.file_bytes()),
+                    .working = Model::working_bytes(c, backend, positions, positions),
+                    .kv_cache = kv_cache_bytes(c, cache_positions),
+                    .positions = positions};
+}
+
+std::string MemoryPlan::describe() const {
+  std::string line = "memory: weights " + format_bytes(double(weights)) + " + working buffers " +
+                     format_bytes(double(working)) + " for " + std::to_string(positions) + " positions";
+  if (kv_cache > 0) line += " + KV cache " + format_bytes(double(kv_cache));
+  return line + " = " + format_bytes(double(total()));
+}
+
+void check_memory(const MemoryPlan& plan, std::int64_t limit) {
+  if (plan.total() <= limit) return;
+  throw UsageError("this run needs " + format_bytes(double(plan.total())) + " (" + plan.describe().substr(8) +
+                   "), more than --memory-limit " + format_bytes(double(limit)) +
+                   "; use fewer positions or raise --memory-limit");
 }
 
 std::string describe_setup(const Checkpoint& checkpoint, const CpuBackend& backend) {

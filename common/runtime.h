@@ -1,15 +1,16 @@
 #pragma once
 // What every chapter sets up the same way: the checkpoint, the CPU backend, the model, the prompt's
-// tokens and the sampler, checked against each other before anything runs.
+// tokens and the sampler, checked against each other - and against --memory-limit - before anything
+// is allocated.
+#include <cstdint>
 #include <cstdio>
-#include <fstream>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "checkpoint.h"
 #include "cli.h"
 #include "cpu_backend.h"
+#include "csv.h"
 #include "model.h"
 #include "sampler.h"
 
@@ -18,26 +19,49 @@ namespace kvs {
 // One line for stderr: model shape, backend and threads.
 std::string describe_setup(const Checkpoint& checkpoint, const CpuBackend& backend);
 
+// The memory a run will use, known before anything is allocated.
+struct MemoryPlan {
+  std::int64_t weights = 0;         // the checkpoint's tensors (mapped from the file on the CPU)
+  std::int64_t working = 0;         // the model's working buffers (Model::working_bytes)
+  std::int64_t kv_cache = 0;        // the KV cache of the run's longest sequence (0: no cache)
+  int positions = 0;                // the longest sequence: what the buffers and the cache are sized for
+  std::int64_t total() const { return weights + working + kv_cache; }
+  std::string describe() const;     // one line for stderr
+};
+// The plan for a model whose calls take up to `positions` tokens and whose attention reads up to that
+// many rows, with a KV cache of `cache_positions` positions.
+MemoryPlan plan_memory(const Checkpoint& checkpoint, const Backend& backend, int positions, int cache_positions);
+// Throws UsageError, naming --memory-limit and what needs the memory, when the plan exceeds `limit`.
+void check_memory(const MemoryPlan& plan, std::int64_t limit);
+
 // Whether the prompt plus --max-new-tokens must fit the model's context (a chapter), or the caller cuts
 // its own prompts from a longer text (a benchmark).
 enum class PromptFit { kMustFit, kCutByCaller };
 
 class Runtime {
  public:
-  // Throws std::runtime_error (or CheckpointError) with a one-line reason when something does not fit.
-  Runtime(const CommonOptions& options, const std::string& default_prompt, PromptFit fit = PromptFit::kMustFit);
+  // Throws UsageError or std::runtime_error (CheckpointError) with a one-line reason when something does
+  // not fit. The model's buffers are sized for `longest_sequence` positions (0: the prompt plus
+  // --max-new-tokens), at most the model's context.
+  Runtime(const CommonOptions& options, const std::string& default_prompt, PromptFit fit = PromptFit::kMustFit,
+          int longest_sequence = 0);
   Runtime(const Runtime&) = delete;
 
-  std::string describe() const { return describe_setup(checkpoint, backend); }
+  // Setup and memory plan, two lines for stderr.
+  std::string describe() const { return describe_setup(checkpoint, backend) + "\n" + memory.describe(); }
+  // The files this run reads, which no output may overwrite.
+  std::vector<NamedPath> inputs() const { return {{"--model", checkpoint.path()}, {"--prompt-file", prompt_file}}; }
 
   // A sampler at the start of its random sequence: every run of a comparison gets a fresh one.
   Sampler new_sampler() const { return Sampler(checkpoint.config().vocab_size, sampling); }
 
   Checkpoint checkpoint;
-  CpuBackend backend;
-  Model model;
+  std::string prompt_file;  // empty unless --prompt-file was given
   std::vector<int> prompt;  // the prompt's tokens (bytes)
   SamplerSettings sampling;
+  CpuBackend backend;
+  MemoryPlan memory;
+  Model model;
 };
 
 // Writes one generated token's byte to stdout at once, so the text streams as it is produced.
@@ -45,30 +69,5 @@ inline void emit_token(int token) {
   std::fputc(token, stdout);
   std::fflush(stdout);
 }
-
-// A CSV file opened before the work starts (so a bad path fails early); with an empty path it writes
-// nothing.
-class CsvWriter {
- public:
-  CsvWriter(const std::string& path, const std::string& header) : path_(path) {
-    if (path.empty()) return;
-    out_.open(path, std::ios::trunc);
-    if (!out_) throw std::runtime_error("cannot write --csv " + path);
-    out_ << header << '\n';
-  }
-  template <typename... Values>
-  void row(const Values&... values) {
-    if (!out_.is_open()) return;
-    const char* sep = "";
-    ((out_ << sep << values, sep = ","), ...);
-    out_ << '\n';
-  }
-  bool enabled() const { return out_.is_open(); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-  std::ofstream out_;
-};
 
 }  // namespace kvs

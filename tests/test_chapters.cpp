@@ -22,7 +22,7 @@ int count_lines(const std::string& path) {
 
 }  // namespace
 
-TEST_CASE("chapter 01: generates on a small checkpoint; stdout holds exactly the text") {
+TEST_CASE("chapter 01: generates on a small checkpoint, and stdout holds exactly the text") {
   kvs::test::TempDir dir;
   const std::string csv = dir.file("steps.csv");
   const auto r = run_command(binary("01_naive_generation") + " --model " + golden_path("mha.bin") +
@@ -63,7 +63,7 @@ TEST_CASE("chapter 01: bad input exits non-zero with one line saying what is wro
   }
   SUBCASE("prompt plus new tokens longer than the context") {
     const auto r = run_command(ch01 + " --model " + golden_path("mha.bin") + " --max-new-tokens 200");
-    CHECK(r.exit_code == 1);
+    CHECK(r.exit_code == 2);
     CHECK(r.err.find("exceeds the model's context of 96 positions") != std::string::npos);
   }
   SUBCASE("a model whose vocabulary is not byte-level") {
@@ -108,15 +108,15 @@ TEST_CASE("chapter 03: the cache is exactly the formula, decode allocates nothin
   const auto bad = run_command(binary("03_preallocated_cache") + " --model " + golden_path("mha.bin") +
                                " --memory-budget lots");
   CHECK(bad.exit_code == 2);
-  CHECK(bad.err.find("--memory-budget expects a positive size") != std::string::npos);
+  CHECK(bad.err.find("--memory-budget expects a size of at least 1 byte") != std::string::npos);
   const auto short_cache = run_command(binary("03_preallocated_cache") + " --model " + golden_path("mha.bin") +
                                        " --prompt abc --max-new-tokens 10 --max-context 12");
-  CHECK(short_cache.exit_code == 1);
+  CHECK(short_cache.exit_code == 2);
   CHECK(short_cache.err.find("--max-context 12 is shorter than the prompt plus --max-new-tokens (13 positions)") !=
         std::string::npos);
 }
 
-TEST_CASE("chapter 00: perplexity of a small text; bad context is refused") {
+TEST_CASE("chapter 00: perplexity of a small text, and a bad context is refused") {
   kvs::test::TempDir dir;
   const std::string text = dir.file("text.txt");
   std::ofstream(text) << "In the beginning God created the heaven and the earth. And the earth was without form.";
@@ -128,7 +128,7 @@ TEST_CASE("chapter 00: perplexity of a small text; bad context is refused") {
   CHECK(r.out.find("(85 bytes predicted, context 32, 3 chunks") != std::string::npos);
   const auto bad = run_command(binary("00_perplexity") + " --model " + golden_path("mha.bin") + " --text " + text +
                                " --context 1000");
-  CHECK(bad.exit_code == 1);
+  CHECK(bad.exit_code == 2);
   CHECK(bad.err.find("--context 1000 exceeds the model's context of 96") != std::string::npos);
 }
 
@@ -136,7 +136,7 @@ TEST_CASE("03_benchmark: a small sweep runs, every cache matches naive, and the 
   kvs::test::TempDir dir;
   const std::string csv = dir.file("speed.csv"), mem = dir.file("mem.csv");
   const auto r = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") +
-                             " --lengths 8,40 --max-new-tokens 6 --naive-tokens 3 --repeats 1 --threads 1 --csv " + csv +
+                             " --lengths 8,40 --max-new-tokens 40 --naive-tokens 40 --repeats 1 --threads 1 --csv " + csv +
                              " --memory-csv " + mem);
   CAPTURE(r.err);
   REQUIRE(r.exit_code == 0);
@@ -145,7 +145,7 @@ TEST_CASE("03_benchmark: a small sweep runs, every cache matches naive, and the 
   CHECK(count_lines(csv) == 1 + 2 * 4);  // header + (2 lengths x 4 methods)
   CHECK(count_lines(mem) == 1 + 2 * 3);  // the three caches
   const auto bad = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") + " --lengths 8,x");
-  CHECK(bad.exit_code == 1);
+  CHECK(bad.exit_code == 2);
   CHECK(bad.err.find("--lengths expects positive whole numbers") != std::string::npos);
 }
 

@@ -1,8 +1,13 @@
 #include <doctest/doctest.h>
 
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "cli.h"
+#include "test_util.h"
 
 using namespace kvs;
 
@@ -57,13 +62,50 @@ TEST_CASE("cli: unknown flags and bad values are named in the error") {
 TEST_CASE("cli: prompts come from --prompt, --prompt-file or the chapter's default, never two at once") {
   CommonOptions o;
   CHECK(resolve_prompt(o, "default") == "default");
-  o.prompt_given = true;
-  CHECK_THROWS_WITH(resolve_prompt(o, "default"), doctest::Contains("--prompt is empty"));
+  CHECK(parse({"--prompt", ""}).outcome.error == "--prompt needs a non-empty value");
   o.prompt = "given";
   CHECK(resolve_prompt(o, "default") == "given");
   o.prompt_file = "/nonexistent/prompt.txt";
+  CHECK_THROWS_AS(resolve_prompt(o, "default"), UsageError);
   CHECK_THROWS_WITH(resolve_prompt(o, "default"), doctest::Contains("--prompt and --prompt-file both given"));
   o.prompt.clear();
-  o.prompt_given = false;
   CHECK_THROWS_WITH(resolve_prompt(o, "default"), doctest::Contains("cannot read --prompt-file"));
+}
+
+TEST_CASE("cli: sizes are whole bytes, at least one, and nothing is silently rounded to zero") {
+  CHECK(parse_bytes("512MiB") == 512ll << 20);
+  CHECK(parse_bytes("1.5G") == 3ll << 29);
+  CHECK(parse_bytes("0.1GiB") == 107374182);  // 0.4 bytes of rounding is not noticeable
+  CHECK(parse_bytes("1000000") == 1000000);
+  for (const char* bad : {"0", "0.5", "1e-9GiB", "-1MiB", "lots", "12XB", "", "inf"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS(parse_bytes(bad), std::invalid_argument);
+  }
+  CHECK(format_bytes(1024) == "1 KiB");
+  CHECK(format_bytes(5.5 * 1024 * 1024) == "5.5 MiB");
+}
+
+TEST_CASE("cli: the shipped model is looked up in the binary's own repository, never in a neighbour's data/") {
+  test::TempDir dir;
+  namespace fs = std::filesystem;
+  // parent/data/kjv-gpt.bin is a stray neighbour; parent/repo is this project, built with `cmake -B build`.
+  const fs::path parent = dir.file("parent"), repo = parent / "repo";
+  fs::create_directories(parent / "data");
+  fs::create_directories(repo / "common");
+  fs::create_directories(repo / "data");
+  fs::create_directories(repo / "build" / "bin");
+  fs::create_directories(parent / "elsewhere" / "bin");
+  std::ofstream(repo / "common" / "model.h") << "";
+  CHECK(repository_root_above((repo / "build" / "bin").string()) == fs::weakly_canonical(repo).string());
+  CHECK(repository_root_above((repo / "build" / "release" / "bin").string()) == fs::weakly_canonical(repo).string());
+  CHECK(repository_root_above((parent / "elsewhere" / "bin").string()).empty());  // parent has data/ but no common/
+}
+
+TEST_CASE("cli: more threads than cores and sampling flags without sampling are command-line errors") {
+  const std::string too_many = std::to_string(available_cores() + 1);
+  CHECK(parse({"--threads", too_many.c_str()}).outcome.error.find("is more than the") != std::string::npos);
+  CHECK(parse({"--threads", "1"}).outcome.error.empty());
+  CHECK(parse({"--top-k", "3"}).outcome.error.find("only apply when sampling") != std::string::npos);
+  CHECK(parse({"--temperature", "0.5", "--top-k", "3"}).outcome.error.empty());
+  CHECK(parse({"--csv", ""}).outcome.error == "--csv needs a non-empty value");
 }

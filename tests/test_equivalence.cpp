@@ -141,6 +141,7 @@ TEST_CASE("equivalence: the comparison catches a cache that hides its newest key
       v.rows -= 1;
       return v;
     }
+    int length() const override { return inner.length(); }
   };
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   CpuBackend backend(2);
@@ -186,4 +187,35 @@ TEST_CASE("decode allocates nothing: no heap allocation in 50 decode steps, on 1
     CHECK(heap_allocations() > probe);
     CHECK(v.size() == 1000);
   }
+}
+
+TEST_CASE("threads: two backends in one process each keep their own thread count, and decode still allocates nothing") {
+  // Tests run each case in its own process; this one deliberately builds two backends in the same one.
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  CpuBackend two(2);
+  CpuBackend one(1);  // set the process-wide counts to 1 before the fix
+  Model model(checkpoint, two);
+  ch03::PreallocatedKvCache cache(two, checkpoint.config(), 600);
+  Sampler sampler(checkpoint.config().vocab_size, {});
+  const std::vector<int> prompt = encode_bytes(validation_text().substr(0, 500));
+  int token = sampler.sample(model.forward(prompt, 0, &cache));
+  token = sampler.sample(model.forward(std::span<const int>(&token, 1), 500, &cache));
+  const long before = heap_allocations();
+  for (int pos = 501; pos < 551; ++pos) token = sampler.sample(model.forward(std::span<const int>(&token, 1), pos, &cache));
+  CHECK(heap_allocations() - before == 0);  // a one-thread OpenMP team per layer per step allocated 250 times
+  CHECK(two.threads() == 2);
+  CHECK(one.threads() == 1);
+}
+
+TEST_CASE("generation: an empty prompt or a cache that already holds positions is refused") {
+  const Checkpoint checkpoint(test::golden_path("mha.bin"));
+  CpuBackend backend(1);
+  Model model(checkpoint, backend);
+  Sampler sampler(256, {.temperature = 0.8f, .top_k = 0, .seed = 1});
+  const std::vector<int> none, prompt{1, 2, 3};
+  ch03::PreallocatedKvCache cache(backend, checkpoint.config(), 32);
+  CHECK_THROWS_WITH(generate_cached(model, cache, sampler, none, 5), doctest::Contains("empty prompt"));
+  CHECK_THROWS_WITH(generate_naive(model, sampler, none, 5), doctest::Contains("empty prompt"));
+  generate_cached(model, cache, sampler, prompt, 5);
+  CHECK_THROWS_WITH(generate_cached(model, cache, sampler, prompt, 5), doctest::Contains("already holds 7 positions"));
 }

@@ -1,7 +1,6 @@
 // Chapter 00 — the model we use: teacher-forced bits per byte and perplexity of a text (by default the
 // held-out validation text), computed by common/perplexity.cpp.
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 
 #include "cli.h"
@@ -27,23 +26,24 @@ int main(int argc, char** argv) {
                  1 << 30);
   parser.parse(argc, argv);
 
-  return kvs::run_main([&] {
-    // No prompt, no sampler: just the model, reading the text below.
+  return kvs::run_main(parser, [&] {
+    // No prompt, no sampler, no cache: just the model, reading the text below.
     const kvs::Checkpoint checkpoint(kvs::resolve_model_path(options));
-    kvs::CpuBackend backend(options.threads);
-    kvs::Model model(checkpoint, backend);
-    if (text_path.empty()) text_path = kvs::find_data_file("kjv/valid.txt");
-    std::ifstream in(text_path, std::ios::binary);
-    if (!in) throw std::runtime_error("cannot read --text " + text_path);
-    std::string text(std::istreambuf_iterator<char>(in), {});
-    if (text.size() > (1u << 30)) throw std::runtime_error("--text " + text_path + " is larger than 1 GiB; pass --max-bytes");
-    if (max_bytes > 0 && static_cast<int>(text.size()) > max_bytes) text.resize(max_bytes);
     if (context > checkpoint.config().seq_len)
-      throw std::runtime_error("--context " + std::to_string(context) + " exceeds the model's context of " +
-                               std::to_string(checkpoint.config().seq_len));
-    kvs::CsvWriter csv(options.csv, "text,bytes,context,chunks,bits_per_byte,perplexity,seconds");
-    std::cerr << kvs::describe_setup(checkpoint, backend) << "\nevaluating " << text.size() << " bytes of " << text_path << " in chunks of "
-              << context << "\n";
+      throw kvs::UsageError("--context " + std::to_string(context) + " exceeds the model's context of " +
+                            std::to_string(checkpoint.config().seq_len));
+    kvs::CpuBackend backend(options.threads);
+    const kvs::MemoryPlan memory = kvs::plan_memory(checkpoint, backend, context, 0);
+    kvs::check_memory(memory, options.memory_limit);
+    if (text_path.empty()) text_path = kvs::find_data_file("kjv/valid.txt");
+    kvs::CsvWriter csv({"--csv", options.csv}, "text,bytes,context,chunks,bits_per_byte,perplexity,seconds",
+                       {{"--model", checkpoint.path()}, {"--text", text_path}});
+    // Up to 1 GiB, or only the first --max-bytes of a larger file.
+    const std::string text = kvs::read_input_file("--text", text_path, max_bytes > 0 ? std::size_t(max_bytes) : 1u << 30,
+                                                  max_bytes > 0);
+    kvs::Model model(checkpoint, backend, context, context);  // one chunk of `context` positions per call
+    std::cerr << kvs::describe_setup(checkpoint, backend) << "\n" << memory.describe() << "\nevaluating "
+              << text.size() << " bytes of " << text_path << " in chunks of " << context << "\n";
 
     const kvs::Stopwatch timer;
     const std::vector<int> tokens = kvs::encode_bytes(text);
@@ -55,6 +55,7 @@ int main(int argc, char** argv) {
     std::printf("%.6f bits/byte, perplexity %.4f per byte (%lld bytes predicted, context %d, %d chunks, %.1f s)\n",
                 p.bits_per_byte, p.perplexity, static_cast<long long>(p.predicted), context, p.chunks, seconds);
     csv.row(text_path, text.size(), context, p.chunks, p.bits_per_byte, p.perplexity, seconds);
+    csv.commit();
     return 0;
   });
 }

@@ -47,9 +47,9 @@ int main(int argc, char** argv) {
   kvs::add_common_flags(parser, options, '"' + std::string(kDefaultPrompt) + '"');
   parser.parse(argc, argv);
 
-  return kvs::run_main([&] {
+  return kvs::run_main(parser, [&] {
     kvs::Runtime rt(options, kDefaultPrompt);
-    kvs::CsvWriter csv(options.csv, "step,context_tokens,ms");
+    kvs::CsvWriter csv({"--csv", options.csv}, "step,context_tokens,ms", rt.inputs());
     std::cerr << rt.describe() << "\nnaive generation of " << options.max_new_tokens << " tokens after a "
               << rt.prompt.size() << "-token prompt\n\n";
 
@@ -63,6 +63,7 @@ int main(int argc, char** argv) {
     for (std::size_t step = 0; step < step_ms.size(); ++step) csv.row(step, rt.prompt.size() + step, step_ms[step]);
     std::cerr << "\n";
     print_report(step_ms, static_cast<int>(rt.prompt.size()), total_ms);
+    csv.commit();
     if (csv.enabled()) std::cerr << "wrote " << csv.path() << "\n";
     return 0;
   });

@@ -70,7 +70,7 @@ class GrowingKvCache final : public KvCache {
     return KvView{.keys = keys_[layer].data(), .values = values_[layer].data(), .rows = length_, .row_stride = kv_dim_};
   }
 
-  int length() const { return length_; }
+  int length() const override { return length_; }
   int capacity() const { return capacity_; }
   std::int64_t allocations() const { return allocations_; }    // buffers allocated so far
   std::int64_t bytes_copied() const { return bytes_copied_; }  // old rows copied into new buffers

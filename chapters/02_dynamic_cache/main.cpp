@@ -34,11 +34,12 @@ int main(int argc, char** argv) {
   parser.add_switch("--skip-naive", "do not run chapter 01's naive generation to compare the tokens", &skip_naive);
   parser.parse(argc, argv);
 
-  return kvs::run_main([&] {
+  return kvs::run_main(parser, [&] {
     using kvs::ch02::Growth;
     kvs::Runtime rt(options, kDefaultPrompt);
-    kvs::CsvWriter csv(options.csv,
-                       "policy,allocations,bytes_copied,peak_cache_bytes,prefill_ms,decode_ms_median,tokens_per_s");
+    kvs::CsvWriter csv({"--csv", options.csv},
+                       "policy,allocations,bytes_copied,peak_cache_bytes,prefill_ms,decode_ms_median,tokens_per_s",
+                       rt.inputs());
     std::cerr << rt.describe() << "\n" << options.max_new_tokens << " new tokens after a " << rt.prompt.size()
               << "-token prompt\n";
 
@@ -84,6 +85,7 @@ int main(int argc, char** argv) {
                    naive.decode_median_ms(), naive.decode_tokens_per_s());
     std::cerr << "\nprefill = time to first token (the whole prompt in one forward pass); decode = median over "
                  "the following steps\n";
+    csv.commit();
     if (csv.enabled()) std::cerr << "wrote " << csv.path() << "\n";
     return 0;
   });

@@ -2,7 +2,6 @@
 // time per token for naive recompute, both growing caches (chapter 02) and the preallocated cache.
 // Greedy, warm-up excluded, threads stated. A benchmark executable, never a timed test.
 #include <algorithm>
-#include <fstream>
 #include <cstdio>
 #include <iostream>
 #include <map>
@@ -30,10 +29,10 @@ std::vector<int> parse_lengths(const std::string& text) {
       if (used != item.size() || n < 1) throw std::invalid_argument(item);
       lengths.push_back(n);
     } catch (const std::exception&) {
-      throw std::runtime_error("--lengths expects positive whole numbers separated by commas, got '" + text + "'");
+      throw kvs::UsageError("--lengths expects positive whole numbers separated by commas, got '" + text + "'");
     }
   }
-  if (lengths.empty()) throw std::runtime_error("--lengths is empty");
+  if (lengths.empty()) throw kvs::UsageError("--lengths is empty");
   return lengths;
 }
 
@@ -70,18 +69,23 @@ int main(int argc, char** argv) {
   parser.add_string("--memory-csv", "PATH", "write the cache bytes measured at the end of each run", &memory_csv);
   parser.parse(argc, argv);
 
-  return kvs::run_main([&] {
+  return kvs::run_main(parser, [&] {
     const std::vector<int> lengths = parse_lengths(lengths_text);
-    if (options.max_new_tokens < 2) throw std::runtime_error("--max-new-tokens must be at least 2 to time decoding");
+    if (options.max_new_tokens < 2) throw kvs::UsageError("--max-new-tokens must be at least 2 to time decoding");
     std::string default_prompt;  // the held-out validation text: real prose the model never trained on
-    if (!options.prompt_given && options.prompt_file.empty()) {
-      std::ifstream in(kvs::find_data_file("kjv/valid.txt"), std::ios::binary);
-      default_prompt.assign(std::istreambuf_iterator<char>(in), {});
-    }
-    kvs::Runtime rt(options, default_prompt, kvs::PromptFit::kCutByCaller);  // the sweep takes prefixes of it
+    if (options.prompt.empty() && options.prompt_file.empty())
+      default_prompt = kvs::read_input_file("the validation text", kvs::find_data_file("kjv/valid.txt"), 1 << 30);
+    // The sweep takes prefixes of the prompt; the longest run is the longest length plus its new tokens.
+    const int longest = *std::max_element(lengths.begin(), lengths.end()) + options.max_new_tokens;
+    kvs::Runtime rt(options, default_prompt, kvs::PromptFit::kCutByCaller, longest);
     const kvs::ModelConfig& c = rt.model.config();
-    kvs::CsvWriter csv(options.csv, "method,prompt_tokens,ttft_ms,decode_ms_median,decode_steps,cache_bytes,threads");
-    kvs::CsvWriter mem_csv(memory_csv, "method,positions,measured_bytes,analytic_bytes");
+    // Rows are committed as they are measured: an interrupted sweep keeps every finished row.
+    kvs::CsvWriter csv({"--csv", options.csv},
+                       "method,prompt_tokens,ttft_ms,decode_ms_median,decode_steps,cache_bytes,threads", rt.inputs());
+    std::vector<kvs::NamedPath> not_memory_csv = rt.inputs();
+    not_memory_csv.push_back({"--csv", options.csv});
+    kvs::CsvWriter mem_csv({"--memory-csv", memory_csv}, "method,positions,measured_bytes,analytic_bytes",
+                           not_memory_csv);
 
     // Prompts are prefixes of the text, repeated if a length asks for more than it holds.
     std::vector<int> all_tokens = rt.prompt;
@@ -129,8 +133,11 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "  prompt %5d  %-12s ttft %9.2f ms  decode %9.4f ms/token%s\n", prompt_len, method.c_str(),
                      ttft, decode, same ? "" : "  (tokens differ from naive!)");
         csv.row(method, prompt_len, ttft, decode, new_tokens - 1, cache_bytes, rt.backend.threads());
-        if (method != "naive")
+        csv.commit();
+        if (method != "naive") {
           mem_csv.row(method, prompt_len + new_tokens, cache_bytes, kvs::kv_cache_bytes(c, prompt_len + new_tokens));
+          mem_csv.commit();
+        }
       }
     }
 

@@ -33,7 +33,7 @@ long peak_rss_bytes() {
 int main(int argc, char** argv) {
   kvs::CommonOptions options;
   int max_context = 0, prefill_chunk = 0;
-  std::string budget_text = "16GiB";
+  std::int64_t budget = std::int64_t{16} << 30;
   kvs::ArgParser parser(
       "03_preallocated_cache",
       "Chapter 03: a preallocated KV cache. One buffer for all layers is allocated once; the prompt is\n"
@@ -48,30 +48,25 @@ int main(int argc, char** argv) {
                  1 << 21);
   parser.add_int("--prefill-chunk", "prefill the prompt in chunks of C positions (default 0: all at once)",
                  &prefill_chunk, 0, 1 << 21);
-  parser.add_string("--memory-budget", "SIZE", "memory for the context-wall table, e.g. 8GiB (default 16GiB)",
-                    &budget_text);
+  parser.add_bytes("--memory-budget", "memory for the context-wall table, e.g. 8GiB (default 16GiB)", &budget);
   parser.parse(argc, argv);
 
-  return kvs::run_main([&] {
-    std::int64_t budget = 0;
-    try {
-      budget = kvs::ch03::parse_bytes(budget_text);
-    } catch (const std::invalid_argument& e) {
-      std::cerr << "03_preallocated_cache: error: --memory-budget " << e.what() << "\n";
-      return 2;
-    }
-    kvs::Runtime rt(options, kDefaultPrompt);
+  return kvs::run_main(parser, [&] {
+    // The model's buffers and the memory plan cover the cache of --max-context positions.
+    kvs::Runtime rt(options, kDefaultPrompt, kvs::PromptFit::kMustFit, max_context);
     const kvs::ModelConfig& c = rt.model.config();
     const int needed = static_cast<int>(rt.prompt.size()) + options.max_new_tokens;
     if (max_context == 0) max_context = needed;
     if (max_context > c.seq_len)
-      throw std::runtime_error("--max-context " + std::to_string(max_context) + " exceeds the model's context of " +
-                               std::to_string(c.seq_len) + " positions");
+      throw kvs::UsageError("--max-context " + std::to_string(max_context) + " exceeds the model's context of " +
+                            std::to_string(c.seq_len) + " positions");
     if (max_context < needed)
-      throw std::runtime_error("--max-context " + std::to_string(max_context) + " is shorter than the prompt plus "
-                               "--max-new-tokens (" + std::to_string(needed) + " positions)");
-    kvs::CsvWriter csv(options.csv, "prompt_tokens,new_tokens,prefill_chunk,prefill_ms,decode_ms_median,tokens_per_s,"
-                                    "cache_positions,analytic_bytes,allocated_bytes,peak_rss_growth_bytes");
+      throw kvs::UsageError("--max-context " + std::to_string(max_context) + " is shorter than the prompt plus "
+                            "--max-new-tokens (" + std::to_string(needed) + " positions)");
+    kvs::CsvWriter csv({"--csv", options.csv},
+                       "prompt_tokens,new_tokens,prefill_chunk,prefill_ms,decode_ms_median,tokens_per_s,"
+                       "cache_positions,analytic_bytes,allocated_bytes,peak_rss_growth_bytes",
+                       rt.inputs());
     std::cerr << rt.describe() << "\n" << options.max_new_tokens << " new tokens after a " << rt.prompt.size()
               << "-token prompt, prefill " << (prefill_chunk ? "in chunks of " + std::to_string(prefill_chunk) : "in one pass")
               << "\n\n";
@@ -118,14 +113,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "\nKV cache memory\n");
     std::fprintf(stderr, "  2 * layers * batch * kv_heads * head_dim * positions * bytes\n");
     std::fprintf(stderr, "  = 2 * %d * 1 * %d * %d * %d * 4 = %lld bytes (%s)\n", c.n_layers, c.n_kv_heads,
-                 c.head_dim(), max_context, static_cast<long long>(analytic), kvs::ch03::format_bytes(analytic).c_str());
+                 c.head_dim(), max_context, static_cast<long long>(analytic), kvs::format_bytes(analytic).c_str());
     std::fprintf(stderr, "  allocated by the cache: %lld bytes (%s the formula)\n",
                  static_cast<long long>(cache.allocated_bytes()), cache.allocated_bytes() == analytic ? "equal to" : "NOT equal to");
     std::fprintf(stderr, "  peak RSS growth during the run: %s (pages are only backed when first written)\n",
-                 kvs::ch03::format_bytes(std::max(0L, rss_growth)).c_str());
+                 kvs::format_bytes(std::max(0L, rss_growth)).c_str());
     kvs::ch03::print_memory_comparison(c, budget);
     csv.row(rt.prompt.size(), options.max_new_tokens, prefill_chunk, g.ttft_ms(), g.decode_median_ms(),
             g.decode_tokens_per_s(), max_context, analytic, cache.allocated_bytes(), rss_growth);
+    csv.commit();
     if (csv.enabled()) std::cerr << "wrote " << csv.path() << "\n";
     return 0;
   });

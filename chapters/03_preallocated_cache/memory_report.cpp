@@ -1,40 +1,10 @@
 #include "memory_report.h"
 
-#include <cmath>
 #include <cstdio>
-#include <stdexcept>
+
+#include "cli.h"
 
 namespace kvs::ch03 {
-
-std::int64_t parse_bytes(const std::string& text) {
-  std::size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  std::string unit = text.substr(used);
-  double scale = 0;
-  if (unit.empty() || unit == "B") scale = 1;
-  else if (unit == "K" || unit == "KB" || unit == "KiB") scale = 1024.0;
-  else if (unit == "M" || unit == "MB" || unit == "MiB") scale = 1024.0 * 1024;
-  else if (unit == "G" || unit == "GB" || unit == "GiB") scale = 1024.0 * 1024 * 1024;
-  else if (unit == "T" || unit == "TB" || unit == "TiB") scale = 1024.0 * 1024 * 1024 * 1024;
-  const double bytes = value * scale;
-  if (used == 0 || scale == 0 || !std::isfinite(bytes) || bytes <= 0 || bytes > 9.0e18)
-    throw std::invalid_argument("expects a positive size such as 512MiB or 16GiB, got '" + text + "'");
-  return static_cast<std::int64_t>(bytes);
-}
-
-std::string format_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 4) bytes /= 1024, ++u;
-  char out[32];
-  std::snprintf(out, sizeof out, bytes == std::floor(bytes) ? "%.0f %s" : "%.1f %s", bytes, units[u]);
-  return out;
-}
 
 void print_memory_comparison(const ModelConfig& ours, std::int64_t budget_bytes) {
   struct Known {

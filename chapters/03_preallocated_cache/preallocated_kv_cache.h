@@ -51,7 +51,7 @@ class PreallocatedKvCache final : public KvCache {
                   .rows = length_, .row_stride = kv_dim_};
   }
 
-  int length() const { return length_; }
+  int length() const override { return length_; }
   int max_positions() const { return max_positions_; }
   std::int64_t allocated_bytes() const { return std::int64_t(storage_.size()) * sizeof(float); }
 

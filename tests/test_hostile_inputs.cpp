@@ -1,0 +1,284 @@
+// What a hostile or careless user does to the binaries, and what must happen: one line saying what is
+// wrong, a non-zero exit, no crash, no hang, no lost or destroyed file. Each case here failed before the
+// fix it guards (issue #12).
+#include <doctest/doctest.h>
+#include <sched.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "checkpoint.h"
+#include "test_util.h"
+
+using kvs::test::golden_path;
+using kvs::test::run_command;
+using kvs::test::TempDir;
+
+namespace {
+
+std::string binary(const std::string& name) { return std::string(KVS_BIN_DIR) + "/" + name; }
+std::string small_model() { return " --model " + golden_path("mha.bin") + " --threads 1"; }
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+std::vector<std::string> lines_of(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+int cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  return sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+}
+
+// One command line per binary that runs quickly on the small checkpoint.
+struct Binary {
+  std::string name, args;
+};
+const std::vector<Binary>& every_binary() {
+  static const std::vector<Binary> all = {
+      {"00_perplexity", " --max-bytes 200 --context 64"},
+      {"01_naive_generation", " --max-new-tokens 3"},
+      {"02_dynamic_cache", " --max-new-tokens 3"},
+      {"03_preallocated_cache", " --max-new-tokens 3"},
+      {"03_benchmark", " --lengths 8 --max-new-tokens 3 --naive-tokens 3 --repeats 1"},
+  };
+  return all;
+}
+
+// A header-valid checkpoint with a huge trained context: seq_len 2^21 positions, 16 MiB on disk (the legacy
+// RoPE tables), a model of a few hundred parameters.
+std::string write_long_context_model(const TempDir& dir) {
+  const kvs::ModelConfig c{.dim = 8, .hidden_dim = 8, .n_layers = 1, .n_heads = 4, .n_kv_heads = 4,
+                           .vocab_size = 256, .seq_len = 1 << 21};
+  const std::string path = dir.file("long-context.bin");
+  kvs::write_checkpoint(path, c, kvs::test::random_weights(c, 7));
+  return path;
+}
+
+}  // namespace
+
+TEST_CASE("results: a CSV that cannot be written is an error, not 'wrote'") {
+  for (const Binary& b : every_binary()) {
+    CAPTURE(b.name);
+    const auto r = run_command(binary(b.name) + small_model() + b.args + " --csv /dev/full");
+    CHECK(r.exit_code != 0);
+    CHECK(r.err.find("--csv /dev/full") != std::string::npos);
+    CHECK(r.err.find("wrote") == std::string::npos);
+  }
+}
+
+TEST_CASE("results: text that cannot be written to stdout is an error") {
+  for (const std::string name : {"00_perplexity", "01_naive_generation"}) {
+    CAPTURE(name);
+    const std::string args = name == std::string("00_perplexity") ? " --max-bytes 200 --context 64" : " --max-new-tokens 3";
+    const std::string command = binary(name) + small_model() + args;
+    const auto r = run_command("(" + command + " > /dev/full)");
+    CHECK(r.exit_code == 1);
+    CHECK(r.err.find("standard output") != std::string::npos);
+  }
+}
+
+TEST_CASE("results: an output path that is an input is refused and the input survives") {
+  TempDir dir;
+  const std::string model = dir.file("m.bin"), prompt = dir.file("prompt.txt");
+  std::filesystem::copy_file(golden_path("mha.bin"), model);
+  std::ofstream(prompt) << "In the beginning";
+  const std::string model_before = slurp(model);
+  const auto r = run_command(binary("01_naive_generation") + " --model " + model + " --max-new-tokens 3 --csv " + model);
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--csv " + model + " is the same file as --model") != std::string::npos);
+  CHECK(slurp(model) == model_before);
+  const auto p = run_command(binary("03_preallocated_cache") + small_model() + " --prompt-file " + prompt +
+                             " --max-new-tokens 3 --csv " + prompt);
+  CHECK(p.exit_code == 2);
+  CHECK(p.err.find("is the same file as --prompt-file") != std::string::npos);
+  CHECK(slurp(prompt) == "In the beginning");
+  const auto t = run_command(binary("00_perplexity") + small_model() + " --text " + prompt + " --csv " + prompt);
+  CHECK(t.exit_code == 2);
+  CHECK(slurp(prompt) == "In the beginning");
+  const auto both = run_command(binary("03_benchmark") + small_model() + " --lengths 8 --max-new-tokens 3 --csv " +
+                                dir.file("x.csv") + " --memory-csv " + dir.file("x.csv"));
+  CHECK(both.exit_code == 2);
+  CHECK(both.err.find("--memory-csv " + dir.file("x.csv") + " is the same file as --csv") != std::string::npos);
+}
+
+TEST_CASE("results: a checkpoint rewritten while it is mapped stays readable (writers replace, never truncate)") {
+  TempDir dir;
+  const std::string path = dir.file("model.bin");
+  const kvs::ModelConfig c{.dim = 16, .hidden_dim = 24, .n_layers = 1, .n_heads = 2, .n_kv_heads = 1,
+                           .vocab_size = 32, .seq_len = 8};
+  kvs::write_checkpoint(path, c, kvs::test::random_weights(c, 1));
+  const kvs::Checkpoint loaded(path);
+  const float before = loaded.tensors().rms_final[c.dim - 1];
+  kvs::write_checkpoint(path, c, kvs::test::random_weights(c, 2));  // truncating in place here gave SIGBUS below
+  CHECK(loaded.tensors().rms_final[c.dim - 1] == before);
+  CHECK(kvs::Checkpoint(path).tensors().rms_final[c.dim - 1] != before);
+  for (const auto& entry : std::filesystem::directory_iterator(dir.file("")))
+    CHECK(entry.path().filename() == "model.bin");  // no temporary left behind
+}
+
+TEST_CASE("results: an interrupted run keeps the earlier file (chapters) or the finished rows (benchmark)") {
+  TempDir dir;
+  const std::string csv = dir.file("out.csv");
+  std::ofstream(csv) << "earlier results\n";
+  // The shipped model, 1500 naive tokens: far longer than the 1 s before SIGINT arrives.
+  const auto chapter = run_command("timeout -s INT 1 " + binary("01_naive_generation") +
+                                   " --threads 1 --max-new-tokens 1500 --csv " + csv);
+  CHECK(chapter.exit_code == 124);
+  CHECK(slurp(csv) == "earlier results\n");
+
+  const auto bench = run_command("timeout -s INT 3 " + binary("03_benchmark") +
+                                 " --threads 1 --lengths 32,64,96,128,160,192,224,256,1024,2048,2048,2048 --repeats 2 "
+                                 "--naive-tokens 8 --csv " + csv);
+  CHECK(bench.exit_code == 124);
+  const std::vector<std::string> rows = lines_of(csv);
+  REQUIRE(rows.size() >= 2);  // the header and at least one finished row
+  CHECK(rows[0].rfind("method,", 0) == 0);
+  CHECK(rows.size() < 1 + 12 * 4);  // really interrupted
+  for (const std::string& row : rows) CHECK(std::count(row.begin(), row.end(), ',') == 6);
+}
+
+TEST_CASE("results: two runs writing the same CSV leave one complete file") {
+  TempDir dir;
+  const std::string csv = dir.file("same.csv");
+  const std::string run = binary("03_benchmark") + small_model() +
+                          " --lengths 8,16,24,32,40,48 --max-new-tokens 4 --naive-tokens 4 --repeats 2 --csv " + csv;
+  const auto r = run_command("(" + run + " & " + run + " & wait)");
+  CHECK(r.exit_code == 0);
+  const std::vector<std::string> rows = lines_of(csv);
+  CHECK(rows.size() == 1 + 6 * 4);
+  for (const std::string& row : rows) CHECK(std::count(row.begin(), row.end(), ',') == 6);
+}
+
+TEST_CASE("inputs: devices, FIFOs and directories are refused before they are read") {
+  TempDir dir;
+  const std::string fifo = dir.file("fifo");
+  REQUIRE(mkfifo(fifo.c_str(), 0600) == 0);
+  // `timeout` turns a hang into exit 124, which the checks below reject.
+  const auto zero_prompt = run_command("timeout 20 " + binary("01_naive_generation") + small_model() +
+                                       " --prompt-file /dev/zero");
+  CHECK(zero_prompt.exit_code == 1);
+  CHECK(zero_prompt.err.find("--prompt-file /dev/zero is not a regular file") != std::string::npos);
+  const auto zero_text = run_command("timeout 20 " + binary("00_perplexity") + small_model() +
+                                     " --context 64 --text /dev/zero");
+  CHECK(zero_text.exit_code == 1);
+  CHECK(zero_text.err.find("--text /dev/zero is not a regular file") != std::string::npos);
+  const auto fifo_model = run_command("timeout 20 " + binary("01_naive_generation") + " --model " + fifo);
+  CHECK(fifo_model.exit_code == 1);
+  CHECK(fifo_model.err.find("not a regular file") != std::string::npos);
+  const auto directory = run_command(binary("01_naive_generation") + small_model() + " --prompt-file " + dir.file(""));
+  CHECK(directory.exit_code == 1);
+  CHECK(directory.err.find("--prompt-file") != std::string::npos);
+  CHECK(directory.err.find("not a regular file") != std::string::npos);
+  const auto memory_csv = run_command(binary("03_benchmark") + small_model() +
+                                      " --lengths 8 --max-new-tokens 3 --memory-csv /proc/x.csv");
+  CHECK(memory_csv.exit_code != 0);
+  CHECK(memory_csv.err.find("--memory-csv /proc/x.csv") != std::string::npos);
+}
+
+TEST_CASE("inputs: more threads than cores is refused with a one-line reason") {
+  const int n = cores();
+  const auto r = run_command(binary("01_naive_generation") + " --model " + golden_path("mha.bin") +
+                             " --max-new-tokens 3 --threads " + std::to_string(n + 1));
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--threads " + std::to_string(n + 1)) != std::string::npos);
+  CHECK(r.err.find(std::to_string(n) + " core") != std::string::npos);
+  const auto ok = run_command(binary("01_naive_generation") + " --model " + golden_path("mha.bin") +
+                              " --max-new-tokens 3 --threads " + std::to_string(n));
+  CHECK(ok.exit_code == 0);
+}
+
+TEST_CASE("inputs: empty values, sub-byte sizes and sampling flags without sampling are refused") {
+  const std::string ch01 = binary("01_naive_generation") + small_model();
+  for (const std::string flag : {"--model", "--csv", "--prompt-file"}) {
+    CAPTURE(flag);
+    const auto r = run_command(binary("01_naive_generation") + " " + flag + " ''");
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find(flag + " needs a non-empty value") != std::string::npos);
+  }
+  const auto text = run_command(binary("00_perplexity") + " --text ''");
+  CHECK(text.exit_code == 2);
+  for (const std::string size : {"0.5", "1e-9GiB", "0"}) {
+    CAPTURE(size);
+    const auto r = run_command(binary("03_preallocated_cache") + small_model() + " --memory-budget " + size);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("--memory-budget expects a size of at least 1 byte") != std::string::npos);
+  }
+  for (const std::string flags : {" --top-k 5", " --seed 3", " --temperature 0 --seed 3"}) {
+    CAPTURE(flags);
+    const auto r = run_command(ch01 + " --max-new-tokens 3" + flags);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("only apply when sampling") != std::string::npos);
+  }
+  CHECK(run_command(ch01 + " --max-new-tokens 3 --temperature 0.8 --top-k 5 --seed 3").exit_code == 0);
+}
+
+TEST_CASE("errors: usage errors exit 2, runtime errors exit 1, both as one line '<program>: error: ...'") {
+  const auto usage = run_command(binary("01_naive_generation") + " --max-new-tokens ten");
+  CHECK(usage.exit_code == 2);
+  CHECK(usage.err.rfind("01_naive_generation: error: --max-new-tokens expects", 0) == 0);
+  TempDir dir;
+  std::ofstream(dir.file("bad.bin")) << "not a checkpoint";
+  const auto runtime = run_command(binary("01_naive_generation") + " --model " + dir.file("bad.bin"));
+  CHECK(runtime.exit_code == 1);
+  CHECK(runtime.err.rfind("01_naive_generation: error: " + dir.file("bad.bin") + ": ", 0) == 0);
+  CHECK(std::count(runtime.err.begin(), runtime.err.end(), '\n') == 1);
+}
+
+TEST_CASE("results: CSV fields that hold commas or quotes are quoted") {
+  TempDir dir;
+  const std::string text = dir.file("a,\"b\".txt"), csv = dir.file("out.csv");
+  std::ofstream(text) << "In the beginning God created the heaven and the earth.";
+  const auto r = run_command(binary("00_perplexity") + small_model() + " --context 64 --text '" + text + "' --csv " + csv);
+  REQUIRE(r.exit_code == 0);
+  const std::vector<std::string> rows = lines_of(csv);
+  REQUIRE(rows.size() == 2);
+  const std::string quoted_path = dir.file("a,\"\"b\"\".txt");  // quotes inside a quoted field are doubled
+  CHECK(rows[1].rfind("\"" + quoted_path + "\",", 0) == 0);
+}
+
+TEST_CASE("memory: a huge trained context does not make a short run allocate for it") {
+  TempDir dir;
+  const std::string model = write_long_context_model(dir);
+  // Runs the binary itself (exec), so wait4 reports its own peak resident memory.
+  auto peak_rss_mib = [](const std::string& command, int& exit_code) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      execl("/bin/sh", "sh", "-c", ("exec " + command + " >/dev/null 2>&1").c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    int status = 0;
+    rusage usage{};
+    wait4(pid, &status, 0, &usage);
+    exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return usage.ru_maxrss / 1024.0;
+  };
+  for (const Binary& b : every_binary()) {
+    if (b.name == "03_benchmark") continue;  // its lengths are cut to the context, tested below
+    CAPTURE(b.name);
+    int exit_code = -1;
+    const double mib = peak_rss_mib(binary(b.name) + " --model " + model + " --threads 1" + b.args, exit_code);
+    CHECK(exit_code == 0);
+    CHECK(mib < 200);  // sized for seq_len it touched 2 GiB
+  }
+  // A run that really needs more than --memory-limit is refused before anything is allocated.
+  const auto refused = run_command(binary("00_perplexity") + " --model " + model + " --context 2097152 --threads 1");
+  CHECK(refused.exit_code == 2);
+  CHECK(refused.err.find("--memory-limit") != std::string::npos);
+  const auto limited = run_command(binary("01_naive_generation") + small_model() + " --max-new-tokens 3 --memory-limit 1KiB");
+  CHECK(limited.exit_code == 2);
+  CHECK(limited.err.find("more than --memory-limit 1 KiB") != std::string::npos);
+}
