@@ -73,7 +73,7 @@ std::string validation_text() {
 void check_all_policies(const std::string& model_path, const std::vector<std::string>& prompts, int new_tokens) {
   const Checkpoint checkpoint(model_path);
   const ModelConfig& c = checkpoint.config();
-  CpuBackend backend(2);
+  CpuBackend backend(test::test_threads());
   Model model(checkpoint, backend);
   for (const std::string& text : prompts) {
     const std::vector<int> prompt = encode_bytes(text);
@@ -119,8 +119,11 @@ void check_all_policies(const std::string& model_path, const std::vector<std::st
 
 TEST_CASE("equivalence: every cache policy reproduces naive greedy decoding on the shipped model") {
   const std::string valid = validation_text();
-  check_all_policies(find_data_file("kjv-gpt.bin"),
-                     {"And God said, ", valid.substr(0, 300), valid.substr(5000, 1100)}, 200);
+  if (test::sanitizer_run())  // the same comparison, shorter: the longest prompt still crosses 1024 positions
+    check_all_policies(find_data_file("kjv-gpt.bin"), {"And God said, ", valid.substr(5000, 1030)}, 50);
+  else
+    check_all_policies(find_data_file("kjv-gpt.bin"),
+                       {"And God said, ", valid.substr(0, 300), valid.substr(5000, 1100)}, 200);
 }
 
 TEST_CASE("equivalence: the same on a random GQA checkpoint (3 query heads per KV head, odd sizes)") {
@@ -144,7 +147,7 @@ TEST_CASE("equivalence: the comparison catches a cache that hides its newest key
     int length() const override { return inner.length(); }
   };
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
-  CpuBackend backend(2);
+  CpuBackend backend(test::test_threads());
   Model model(checkpoint, backend);
   const std::vector<int> prompt = encode_bytes("And God said, ");
   const Run naive = record([&](const OnLogits& on_logits) {

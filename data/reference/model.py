@@ -6,7 +6,9 @@ can create test checkpoints, produce golden logits, train the shipped model and 
 Run it with Debian's interpreter: /usr/bin/python3 (python3-torch).
 """
 import math
+import os
 import struct
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,19 +151,32 @@ def _tensors_in_file_order(model):
 
 
 def write_checkpoint(model, path):
+    """Writes a llama2.c version-0 file to a temporary file beside `path`, then renames it over `path`:
+    a process that has the old file mapped keeps reading the old one (truncating it in place would kill
+    that process with SIGBUS), and an interrupted write leaves the old file whole."""
     cfg = model.cfg
     vocab = cfg.vocab_size if cfg.shared_classifier else -cfg.vocab_size
-    with open(path, "wb") as f:
-        f.write(struct.pack("7i", cfg.dim, cfg.hidden_dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
-                            vocab, cfg.seq_len))
-        for t in _tensors_in_file_order(model):
-            f.write(t.detach().to(torch.float32).contiguous().numpy().tobytes())
-        # two legacy RoPE tables (freq_cis_real, freq_cis_imag), never read by the C++ loader
-        cos, sin = rope_cos_sin(torch.arange(cfg.seq_len), cfg.head_dim)
-        f.write(cos.numpy().tobytes())
-        f.write(sin.numpy().tobytes())
-        if not cfg.shared_classifier:
-            f.write(model.output.weight.detach().to(torch.float32).contiguous().numpy().tobytes())
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, temp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("7i", cfg.dim, cfg.hidden_dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
+                                vocab, cfg.seq_len))
+            for t in _tensors_in_file_order(model):
+                f.write(t.detach().to(torch.float32).contiguous().numpy().tobytes())
+            # two legacy RoPE tables (freq_cis_real, freq_cis_imag), never read by the C++ loader
+            cos, sin = rope_cos_sin(torch.arange(cfg.seq_len), cfg.head_dim)
+            f.write(cos.numpy().tobytes())
+            f.write(sin.numpy().tobytes())
+            if not cfg.shared_classifier:
+                f.write(model.output.weight.detach().to(torch.float32).contiguous().numpy().tobytes())
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(temp, 0o666 & ~mask)
+        os.replace(temp, path)
+    except BaseException:
+        os.unlink(temp)
+        raise
 
 
 def read_checkpoint(path):
