@@ -2,6 +2,7 @@
 # Installs the Debian 12 packages a task needs, only those missing. Usage:
 #   common/install-deps.sh build    # cmake g++ libeigen3-dev doctest-dev     (build, tests, chapters)
 #   common/install-deps.sh plots    # python3-matplotlib                        (plots/)
+#   common/install-deps.sh corpus   # python3 bible-kjv                          (data/build_corpus.py)
 #   common/install-deps.sh train    # python3-torch libopenblas0-pthread bible-kjv  (data/: train, golden files)
 # Several groups may be given. On a system without apt-get it lists what to install by hand and fails.
 set -euo pipefail
@@ -11,8 +12,9 @@ for group in "$@"; do
   case "$group" in
     build) packages+=(cmake g++ make libeigen3-dev doctest-dev) ;;
     plots) packages+=(python3 python3-matplotlib) ;;
+    corpus) packages+=(python3 bible-kjv) ;;
     train) packages+=(python3 python3-torch python3-numpy libopenblas0-pthread bible-kjv) ;;
-    *) echo "install-deps: unknown group '$group' (use build, plots or train)" >&2; exit 2 ;;
+    *) echo "install-deps: unknown group '$group' (use build, plots, corpus or train)" >&2; exit 2 ;;
   esac
 done
 

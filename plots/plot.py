@@ -80,10 +80,12 @@ def main():
     xs = [0, max(x for x, _ in analytic)]
     ax.plot(xs, [x * per_position / 2**20 for x in xs], color="black", lw=1,
             label="2·layers·kv_heads·head_dim·positions·4 bytes")
-    for method, points in by_method(memory, "positions", "measured_bytes").items():
-        color, marker = STYLE.get(method, ("black", "x"))
-        ax.plot([x for x, _ in points], [y / 2**20 for _, y in points], ls="none", marker=marker, color=color,
-                label=f"{method} (allocated)")
+    # Allocated (hollow) is the cache's own bookkeeping; resident (filled) is measured: the pages written.
+    for column, fill in (("allocated_bytes", "none"), ("resident_bytes", None)):
+        for method, points in by_method(memory, "positions", column).items():
+            color, marker = STYLE.get(method, ("black", "x"))
+            ax.plot([x for x, _ in points], [y / 2**20 for _, y in points], ls="none", marker=marker, color=color,
+                    markerfacecolor=fill or color, label=f"{method} ({column.split('_')[0]})")
     finish(fig, ax, "positions in the cache", "KV cache bytes (MiB)", "Cache memory grows linearly with context",
            "cache_bytes_vs_context.png", log=False)
     print("wrote", ", ".join(p.name for p in sorted(HERE.glob("*.png"))))

@@ -19,20 +19,26 @@ namespace {
 
 constexpr const char* kDefaultPrompt = "And God said, ";
 
-// Per-step times for about a dozen steps spread over the run, so the growth is visible at a glance.
+// About ten rows, each the median time of a window of consecutive steps: one step's time is noisy (a
+// timer interrupt, the other core's work), the median of a window is not. Step 0 is left out: it is the
+// prompt's forward pass and also pays for first-touch warm-up.
 void print_report(const std::vector<double>& step_ms, int prompt_tokens, double total_ms) {
   const int steps = static_cast<int>(step_ms.size());
   if (steps == 0) return;
-  std::fprintf(stderr, "%8s %10s %12s\n", "step", "context", "ms/token");
-  const int stride = std::max(1, steps / 10);
-  for (int s = 0; s < steps; s += stride)
-    std::fprintf(stderr, "%8d %10d %12.3f\n", s, prompt_tokens + s, step_ms[s]);
-  if ((steps - 1) % stride != 0)
-    std::fprintf(stderr, "%8d %10d %12.3f\n", steps - 1, prompt_tokens + steps - 1, step_ms.back());
-  std::fprintf(stderr, "\n%d tokens in %.1f ms: %.1f tokens/s\n", steps, total_ms, steps / (total_ms / 1000.0));
-  if (steps > 2)  // step 0 also pays for first-touch warm-up, so compare against step 1
-    std::fprintf(stderr, "time per token grew %.1fx from context %d to context %d\n", step_ms.back() / step_ms[1],
-                 prompt_tokens + 1, prompt_tokens + steps - 1);
+  std::fprintf(stderr, "%14s %16s %16s\n", "steps", "context", "median ms/token");
+  const int window = std::max(1, (steps - 1) / 10);
+  std::vector<double> medians;
+  for (int s = 1; s < steps; s += window) {
+    const int end = std::min(steps, s + window);
+    medians.push_back(kvs::median(std::vector<double>(step_ms.begin() + s, step_ms.begin() + end)));
+    std::fprintf(stderr, "%6d - %5d %7d - %6d %16.3f\n", s, end - 1, prompt_tokens + s, prompt_tokens + end - 1,
+                 medians.back());
+  }
+  std::fprintf(stderr, "\n%d tokens in %.1f ms: %.1f tokens/s (step 0, the prompt: %.3f ms)\n", steps, total_ms,
+               steps / (total_ms / 1000.0), step_ms[0]);
+  if (medians.size() > 1)
+    std::fprintf(stderr, "median time per token grew %.1fx from the first window of steps to the last\n",
+                 medians.back() / medians.front());
 }
 
 }  // namespace

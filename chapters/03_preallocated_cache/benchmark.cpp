@@ -59,7 +59,9 @@ int main(int argc, char** argv) {
       "untimed first (warm-up), then --repeats times; TTFT and decode times are medians over the runs.\nA prompt length that leaves no room for the new tokens within the model's\n"
       "context is shortened to context - new tokens. Prints a table with speedups relative to naive.\n"
       "CSV (--csv): method, prompt_tokens, ttft_ms, decode_ms_median, decode_steps, cache_bytes, threads.\n"
-      "--memory-csv: method, positions, measured_bytes, analytic_bytes (cache bytes at the end of a run).");
+      "--memory-csv: method, positions, allocated_bytes, resident_bytes, analytic_bytes: at the end of a run,\n"
+      "the bytes the cache allocated, those physically in memory (pages written, measured with mincore), and\n"
+      "the formula's bytes for the positions held.");
   kvs::add_common_flags(parser, options, "data/kjv/valid.txt, the held-out text", kvs::CommonFlags::kGreedy);
   parser.add_string("--lengths", "LIST", "prompt lengths, comma-separated (default 32,128,512,1024,2048)",
                     &lengths_text);
@@ -84,8 +86,8 @@ int main(int argc, char** argv) {
                        "method,prompt_tokens,ttft_ms,decode_ms_median,decode_steps,cache_bytes,threads", rt.inputs());
     std::vector<kvs::NamedPath> not_memory_csv = rt.inputs();
     not_memory_csv.push_back({"--csv", options.csv});
-    kvs::CsvWriter mem_csv({"--memory-csv", memory_csv}, "method,positions,measured_bytes,analytic_bytes",
-                           not_memory_csv);
+    kvs::CsvWriter mem_csv({"--memory-csv", memory_csv},
+                           "method,positions,allocated_bytes,resident_bytes,analytic_bytes", not_memory_csv);
 
     // Prompts are prefixes of the text, repeated if a length asks for more than it holds.
     std::vector<int> all_tokens = rt.prompt;
@@ -102,19 +104,19 @@ int main(int argc, char** argv) {
       std::vector<int> reference;  // naive's tokens: every cached method must reproduce them
       for (const std::string method : {"naive", "concatenate", "chunked", "preallocated"}) {
         const int new_tokens = method == "naive" ? std::min(naive_tokens, options.max_new_tokens) : options.max_new_tokens;
-        std::int64_t cache_bytes = 0;
+        std::int64_t cache_bytes = 0, resident_bytes = 0;  // allocated, and physically in memory at the end
         auto run = [&](bool record) {
           kvs::Sampler sampler = rt.new_sampler();
           if (method == "naive") return kvs::generate_naive(rt.model, sampler, prompt, new_tokens);
           if (method == "preallocated") {
             kvs::ch03::PreallocatedKvCache cache(rt.backend, c, prompt_len + new_tokens);
             auto g = kvs::generate_cached(rt.model, cache, sampler, prompt, new_tokens);
-            if (record) cache_bytes = cache.allocated_bytes();
+            if (record) cache_bytes = cache.allocated_bytes(), resident_bytes = cache.resident_bytes();
             return g;
           }
           kvs::ch02::GrowingKvCache cache(rt.backend, c, method == "concatenate" ? Growth::kConcatenate : Growth::kChunked);
           auto g = kvs::generate_cached(rt.model, cache, sampler, prompt, new_tokens);
-          if (record) cache_bytes = cache.capacity_bytes();
+          if (record) cache_bytes = cache.capacity_bytes(), resident_bytes = cache.resident_bytes();
           return g;
         };
         run(false);  // warm-up
@@ -135,7 +137,8 @@ int main(int argc, char** argv) {
         csv.row(method, prompt_len, ttft, decode, new_tokens - 1, cache_bytes, rt.backend.threads());
         csv.commit();
         if (method != "naive") {
-          mem_csv.row(method, prompt_len + new_tokens, cache_bytes, kvs::kv_cache_bytes(c, prompt_len + new_tokens));
+          mem_csv.row(method, prompt_len + new_tokens, cache_bytes, resident_bytes,
+                      kvs::kv_cache_bytes(c, prompt_len + new_tokens));
           mem_csv.commit();
         }
       }

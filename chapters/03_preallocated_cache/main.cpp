@@ -33,7 +33,7 @@ long peak_rss_bytes() {
 int main(int argc, char** argv) {
   kvs::CommonOptions options;
   int max_context = 0, prefill_chunk = 0;
-  std::int64_t budget = std::int64_t{16} << 30;
+  std::int64_t budget = std::int64_t{24} << 30;  // a 24 GB GPU
   kvs::ArgParser parser(
       "03_preallocated_cache",
       "Chapter 03: a preallocated KV cache. One buffer for all layers is allocated once; the prompt is\n"
@@ -42,13 +42,13 @@ int main(int argc, char** argv) {
       "analytic and allocated bytes, peak RSS growth, per-token KV bytes of well-known models and the\n"
       "context wall for --memory-budget go to stderr.\n"
       "CSV columns (--csv): prompt_tokens, new_tokens, prefill_chunk, prefill_ms, decode_ms_median,\n"
-      "tokens_per_s, cache_positions, analytic_bytes, allocated_bytes, peak_rss_growth_bytes.");
+      "tokens_per_s, cache_positions, analytic_bytes, allocated_bytes, resident_bytes, peak_rss_growth_bytes.");
   kvs::add_common_flags(parser, options, '"' + std::string(kDefaultPrompt) + '"');
   parser.add_int("--max-context", "positions to allocate the cache for (default: prompt + new tokens)", &max_context, 1,
                  1 << 21);
   parser.add_int("--prefill-chunk", "prefill the prompt in chunks of C positions (default 0: all at once)",
                  &prefill_chunk, 0, 1 << 21);
-  parser.add_bytes("--memory-budget", "memory for the context-wall table, e.g. 8GiB (default 16GiB)", &budget);
+  parser.add_bytes("--memory-budget", "memory (weights + KV cache) for the context-wall table, e.g. 80GiB (default 24GiB)", &budget);
   parser.parse(argc, argv);
 
   return kvs::run_main(parser, [&] {
@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
                             "--max-new-tokens (" + std::to_string(needed) + " positions)");
     kvs::CsvWriter csv({"--csv", options.csv},
                        "prompt_tokens,new_tokens,prefill_chunk,prefill_ms,decode_ms_median,tokens_per_s,"
-                       "cache_positions,analytic_bytes,allocated_bytes,peak_rss_growth_bytes",
+                       "cache_positions,analytic_bytes,allocated_bytes,resident_bytes,peak_rss_growth_bytes",
                        rt.inputs());
     std::cerr << rt.describe() << "\n" << options.max_new_tokens << " new tokens after a " << rt.prompt.size()
               << "-token prompt, prefill " << (prefill_chunk ? "in chunks of " + std::to_string(prefill_chunk) : "in one pass")
@@ -116,11 +116,14 @@ int main(int argc, char** argv) {
                  c.head_dim(), max_context, static_cast<long long>(analytic), kvs::format_bytes(analytic).c_str());
     std::fprintf(stderr, "  allocated by the cache: %lld bytes (%s the formula)\n",
                  static_cast<long long>(cache.allocated_bytes()), cache.allocated_bytes() == analytic ? "equal to" : "NOT equal to");
+    const std::int64_t resident = cache.resident_bytes();
+    std::fprintf(stderr, "  resident in memory (pages written, measured with mincore): %lld bytes (%s)\n",
+                 static_cast<long long>(resident), kvs::format_bytes(double(resident)).c_str());
     std::fprintf(stderr, "  peak RSS growth during the run: %s (pages are only backed when first written)\n",
                  kvs::format_bytes(std::max(0L, rss_growth)).c_str());
     kvs::ch03::print_memory_comparison(c, budget);
     csv.row(rt.prompt.size(), options.max_new_tokens, prefill_chunk, g.ttft_ms(), g.decode_median_ms(),
-            g.decode_tokens_per_s(), max_context, analytic, cache.allocated_bytes(), rss_growth);
+            g.decode_tokens_per_s(), max_context, analytic, cache.allocated_bytes(), resident, rss_growth);
     csv.commit();
     if (csv.enabled()) std::cerr << "wrote " << csv.path() << "\n";
     return 0;

@@ -19,6 +19,7 @@
 #include "backend.h"
 #include "config.h"
 #include "kv_cache.h"
+#include "resident_memory.h"
 
 namespace kvs::ch03 {
 
@@ -54,6 +55,8 @@ class PreallocatedKvCache final : public KvCache {
   int length() const override { return length_; }
   int max_positions() const { return max_positions_; }
   std::int64_t allocated_bytes() const { return std::int64_t(storage_.size()) * sizeof(float); }
+  // Of those, the bytes physically in memory now: the pages written so far (see resident_memory.h).
+  std::int64_t resident_bytes() const { return kvs::resident_bytes(storage_.data(), storage_.size() * sizeof(float)); }
 
  private:
   // Offset of a layer's keys (kv = 0) or values (kv = 1): a (max_positions, kv_dim) block.

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Re-runs every command the book shows and writes its real output into the book.
+
+A transcript in book/*.md is a ```text block right after a line `<!-- transcript -->`. Its lines that
+start with "$ " are commands; everything else in the block is their output, replaced on every run by what
+the commands print now (stdout and stderr together, in the order a terminal shows them). Under each block
+the script writes the machine, CPU and date it ran on, so every timing says where it was measured.
+
+    /usr/bin/python3 book/transcripts.py            # regenerate every transcript (minutes; a quiet machine)
+    /usr/bin/python3 book/transcripts.py --check    # run every command with tiny settings; exit 1 if one fails
+
+Commands run in order, chapter by chapter, with bash, in a scratch folder that looks like the repository
+(build/, data/ and plots/ lead to the real ones), so files a command writes (naive.csv, long_prompt.txt)
+stay out of the repository; with --check, plots/ is a scratch folder too, so the tiny runs overwrite
+nothing. --check shrinks what makes a run long (new tokens, sweep lengths, repeats, evaluated bytes) and
+lists test cases instead of running them: it checks that every command still runs and exits 0.
+"""
+import argparse
+import datetime
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BOOK = ROOT / "book"
+MARK = "<!-- transcript -->"
+MACHINE_PREFIX = "<sub>Captured by `book/transcripts.py`"
+
+
+def machine_line():
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0))
+    day = datetime.date.today().isoformat()
+    return (f"{MACHINE_PREFIX} on {cpu}, {cores} cores, {day}; threads as printed (default: every core). "
+            f"Timings differ on your machine; counts, bytes and text do not.</sub>")
+
+
+def shrink(command):
+    """The same command with settings that make it quick (--check)."""
+    command = re.sub(r"--max-new-tokens \d+", lambda m: "--max-new-tokens 8", command)
+    command = re.sub(r"--lengths [\d,]+", "--lengths 32,64", command)
+    command = re.sub(r"--repeats \d+", "--repeats 1", command)
+    if "00_perplexity" in command and "--max-bytes" not in command:
+        command = command.replace("00_perplexity", "00_perplexity --max-bytes 4096", 1)
+    if "kvs_tests" in command:
+        command += " --list-test-cases"
+    return command
+
+
+def scratch_folder(check):
+    folder = Path(tempfile.mkdtemp(prefix="kvs-book-"))
+    for name in ("build", "data", "tests", "common", "chapters"):
+        (folder / name).symlink_to(ROOT / name)
+    if check:
+        (folder / "plots" / "data").mkdir(parents=True)
+    else:
+        (folder / "plots").symlink_to(ROOT / "plots")
+    return folder
+
+
+def run(command, cwd):
+    result = subprocess.run(["bash", "-c", "set -o pipefail; " + command], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace")
+    # A progress line rewritten in place ("\r chunk 10 / 410") shows only its last state on a terminal.
+    lines = [line.rsplit("\r", 1)[-1] for line in result.stdout.split("\n")]
+    return result.returncode, "\n".join(lines)
+
+
+def blocks(text):
+    """(start, end) line indices of each transcript block's body, between its fences."""
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if line.strip() == MARK:
+            if i + 1 >= len(lines) or not lines[i + 1].startswith("```"):
+                raise SystemExit(f"a {MARK} line must be followed by a ``` block")
+            end = next(j for j in range(i + 2, len(lines)) if lines[j].startswith("```"))
+            yield i + 2, end
+
+
+def process(path, cwd, check):
+    text = path.read_text()
+    lines = text.split("\n")
+    failures = 0
+    out = []
+    cursor = 0
+    for start, end in list(blocks(text)):
+        out.extend(lines[cursor:start])
+        commands = [line[2:] for line in lines[start:end] if line.startswith("$ ")]
+        body = []
+        for command in commands:
+            actual = shrink(command) if check else command
+            print(f"[{path.name}] $ {actual}", file=sys.stderr, flush=True)
+            code, output = run(actual, cwd)
+            if code != 0:
+                failures += 1
+                print(f"  FAILED with exit code {code}:\n{output[-2000:]}", file=sys.stderr)
+            body.append("$ " + command)
+            body.extend(output.rstrip("\n").split("\n") if output else [])
+        out.extend(body)
+        out.append(lines[end])  # the closing fence
+        cursor = end + 1
+        # the machine line right after the block: replaced, or inserted
+        if cursor < len(lines) and lines[cursor].startswith(MACHINE_PREFIX):
+            cursor += 1
+        out.append(machine_line())
+    out.extend(lines[cursor:])
+    if not check:
+        path.write_text("\n".join(out))
+    return failures
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="run every command with tiny settings, change nothing")
+    parser.add_argument("chapters", nargs="*", help="book files to process (default: every chapter, in order)")
+    args = parser.parse_args()
+    paths = [Path(p).resolve() for p in args.chapters] or sorted(BOOK.glob("[0-9][0-9]_*.md"))
+    cwd = scratch_folder(args.check)
+    try:
+        failures = sum(process(path, cwd, args.check) for path in paths)
+    finally:
+        shutil.rmtree(cwd)
+    if not args.check:
+        code, output = run(f"/usr/bin/python3 {ROOT}/plots/plot.py", ROOT)
+        print(output, file=sys.stderr)
+        failures += code != 0
+    if failures:
+        print(f"{failures} command(s) failed", file=sys.stderr)
+        return 1
+    print("every command the book shows ran and exited 0", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
