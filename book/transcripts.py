@@ -72,9 +72,10 @@ def scratch_folder(check):
 
 def run(command, cwd):
     result = subprocess.run(["bash", "-c", "set -o pipefail; " + command], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace")
+                            stderr=subprocess.STDOUT)
     # A progress line rewritten in place ("\r chunk 10 / 410") shows only its last state on a terminal.
-    lines = [line.rsplit("\r", 1)[-1] for line in result.stdout.split("\n")]
+    text = result.stdout.decode("utf-8", errors="replace")
+    lines = [line.rsplit("\r", 1)[-1] for line in text.split("\n")]
     return result.returncode, "\n".join(lines)
 
 

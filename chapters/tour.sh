@@ -20,6 +20,6 @@ banner "Chapter 02: a cache that grows (concatenate per step vs chunked growth)"
 "$bin/02_dynamic_cache" --max-new-tokens 300
 echo  # end the chapter's text with a newline
 banner "Chapter 03: the preallocated cache (prefill, decode, memory, context wall)"
-"$bin/03_preallocated_cache" --max-new-tokens 300 --memory-budget 8GiB
+"$bin/03_preallocated_cache" --max-new-tokens 300
 echo  # end the chapter's text with a newline
 banner "Done. Read book/README.md; every binary takes --help. Speed sweep and plots: bash plots/regenerate.sh"

@@ -38,7 +38,7 @@ def by_method(rows, x, y):
     return {m: sorted(v) for m, v in series.items()}
 
 
-def finish(fig, ax, xlabel, ylabel, title, filename, log=True):
+def finish(fig, ax, xlabel, ylabel, title, filename, log=True, legend="best"):
     if log:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -46,7 +46,7 @@ def finish(fig, ax, xlabel, ylabel, title, filename, log=True):
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(loc=legend, fontsize="small")
     fig.tight_layout()
     fig.savefig(HERE / filename, dpi=120)
 
@@ -87,7 +87,7 @@ def main():
             ax.plot([x for x, _ in points], [y / 2**20 for _, y in points], ls="none", marker=marker, color=color,
                     markerfacecolor=fill or color, label=f"{method} ({column.split('_')[0]})")
     finish(fig, ax, "positions in the cache", "KV cache bytes (MiB)", "Cache memory grows linearly with context",
-           "cache_bytes_vs_context.png", log=False)
+           "cache_bytes_vs_context.png", log=False, legend="lower right")
     print("wrote", ", ".join(p.name for p in sorted(HERE.glob("*.png"))))
 
 

@@ -8,6 +8,7 @@
 #include "02_dynamic_cache/growing_kv_cache.h"
 #include "03_preallocated_cache/preallocated_kv_cache.h"
 #include "cpu_backend.h"
+#include "resident_memory.h"
 
 using namespace kvs;
 using kvs::ch02::Growth;
@@ -50,7 +51,7 @@ bool holds_positions(const KvCache& cache, int length) {
 
 }  // namespace
 
-TEST_CASE("growth policy: concatenate grows to exactly what is needed, chunked to need + 1024 rounded to 1024") {
+TEST_CASE("growth policy: concatenate grows to exactly what is needed, chunked to need + 1024 rounded to 1024, geometric doubles") {
   CHECK(grown_capacity(Growth::kConcatenate, 0, 14) == 14);
   CHECK(grown_capacity(Growth::kConcatenate, 14, 15) == 15);
   CHECK(grown_capacity(Growth::kConcatenate, 15, 15) == 15);
@@ -60,11 +61,15 @@ TEST_CASE("growth policy: concatenate grows to exactly what is needed, chunked t
   CHECK(grown_capacity(Growth::kChunked, 2048, 2048) == 2048);  // fits: no growth
   CHECK(grown_capacity(Growth::kChunked, 2048, 2049) == 4096);
   CHECK(grown_capacity(Growth::kChunked, 4096, 3073) == 4096);
+  CHECK(grown_capacity(Growth::kGeometric, 0, 14) == 14);
+  CHECK(grown_capacity(Growth::kGeometric, 14, 15) == 28);
+  CHECK(grown_capacity(Growth::kGeometric, 28, 28) == 28);
+  CHECK(grown_capacity(Growth::kGeometric, 28, 100) == 100);  // a prefill larger than double
 }
 
 TEST_CASE("growing cache: cached rows survive every reallocation (nanochat PR #186)") {
   CpuBackend backend(1);
-  for (Growth growth : {Growth::kConcatenate, Growth::kChunked}) {
+  for (Growth growth : {Growth::kConcatenate, Growth::kChunked, Growth::kGeometric}) {
     CAPTURE(ch02::growth_name(growth));
     ch02::GrowingKvCache cache(backend, kConfig, growth);
     write_positions(cache, 0, 1000);  // a prefill
@@ -77,6 +82,11 @@ TEST_CASE("growing cache: cached rows survive every reallocation (nanochat PR #1
       // step t copies the t rows already cached: 1000 + 1001 + ... + 1099
       CHECK(cache.bytes_copied() == (1000 + 1099) * 100 / 2 * row_bytes);
       CHECK(cache.capacity_bytes() == 1100 * row_bytes);
+    } else if (growth == Growth::kGeometric) {
+      // 1000 from the prefill, doubled to 2000 at position 1000: one copy of the 1000 rows
+      CHECK(cache.allocations() == 2 * 2 * kConfig.n_layers);
+      CHECK(cache.bytes_copied() == 1000 * row_bytes);
+      CHECK(cache.capacity_bytes() == 2000 * row_bytes);
     } else {
       CHECK(cache.allocations() == 1 * 2 * kConfig.n_layers);  // 2048 positions from the first prefill
       CHECK(cache.bytes_copied() == 0);
@@ -94,10 +104,12 @@ TEST_CASE("preallocated cache: exactly the formula's bytes, written in place, re
   CpuBackend backend(1);
   ch03::PreallocatedKvCache cache(backend, kConfig, 300);
   CHECK(cache.allocated_bytes() == kv_cache_bytes(kConfig, 300));
+  CHECK(cache.resident_bytes() <= cache.allocated_bytes() + 2 * 4096);  // whole pages at both ends
   CHECK(cache.allocated_bytes() == 2 * 3 * 1 * 2 * 16 * 300 * 4);
   write_positions(cache, 0, 37);
   for (int pos = 37; pos < 300; ++pos) write_positions(cache, pos, 1);
   CHECK(holds_positions(cache, 300));
+  CHECK(cache.resident_bytes() >= cache.allocated_bytes());  // every position written: every page touched
   CHECK_THROWS_WITH(write_positions(cache, 300, 1), doctest::Contains("allocated for 300"));
   CHECK_THROWS_WITH(write_positions(cache, 301, 1), doctest::Contains("leaves a gap"));
 }
@@ -114,4 +126,18 @@ TEST_CASE("masking rule: causal, with a window of W keys including the query's o
   CHECK_FALSE(key_visible(10, 11, 3));
   CHECK(key_visible(0, 0, 1));
   CHECK_FALSE(key_visible(1, 0, 1));
+}
+
+TEST_CASE("resident memory: pages are resident once written, not when allocated") {
+  // A fresh anonymous mapping, as malloc gives for large blocks: nothing resident until written.
+  CpuBackend backend(1);
+  const std::size_t floats = std::size_t(64) << 20 >> 2;  // 64 MiB
+  Buffer buffer(backend, floats);
+  const std::int64_t before = resident_bytes(buffer.data(), floats * sizeof(float));
+  for (std::size_t i = 0; i < floats / 2; ++i) buffer.data()[i] = 1.0f;  // write the first half
+  const std::int64_t half = resident_bytes(buffer.data(), floats * sizeof(float));
+  MESSAGE("resident before writing: " << before << " bytes, after writing half: " << half);
+  CHECK(before < (1 << 20));
+  CHECK(half >= std::int64_t(32) << 20);
+  CHECK(half < std::int64_t(34) << 20);
 }

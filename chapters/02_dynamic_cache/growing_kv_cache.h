@@ -7,8 +7,11 @@
 // decides how much larger:
 //   kConcatenate  exactly the positions needed: a new allocation and a full copy on every decode step,
 //                 so the bytes copied grow with the square of the sequence length;
-//   kChunked      the positions needed plus 1024, rounded up to a multiple of 1024 (nanochat's policy,
-//                 std::vector's idea): a copy only every ~1024 steps.
+//   kChunked      the positions needed plus 1024, rounded up to a multiple of 1024 (nanochat's policy): a
+//                 copy only every ~1024 steps - but each copy moves everything cached so far, so the bytes
+//                 copied still grow with the square of the length, divided by 1024;
+//   kGeometric    double the capacity (std::vector's policy): log2(N) copies whose sizes sum to less than
+//                 2N rows, so the bytes copied grow only linearly, at the price of up to N rows of slack.
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
@@ -22,15 +25,18 @@
 
 namespace kvs::ch02 {
 
-enum class Growth { kConcatenate, kChunked };
+enum class Growth { kConcatenate, kChunked, kGeometric };
 
-inline const char* growth_name(Growth g) { return g == Growth::kConcatenate ? "concatenate" : "chunked"; }
+inline const char* growth_name(Growth g) {
+  return g == Growth::kConcatenate ? "concatenate" : g == Growth::kChunked ? "chunked" : "geometric";
+}
 
 // The capacity (positions) a cache holding `capacity` moves to when `needed` positions must fit.
 inline int grown_capacity(Growth growth, int capacity, int needed) {
   constexpr int kChunk = 1024;
   if (needed <= capacity) return capacity;
   if (growth == Growth::kConcatenate) return needed;
+  if (growth == Growth::kGeometric) return std::max(needed, 2 * capacity);
   return (needed + kChunk + kChunk - 1) / kChunk * kChunk;
 }
 

@@ -1,5 +1,5 @@
 // Chapter 02 — dynamic KV cache: keep every position's keys and values, growing the cache as the
-// sequence grows, and compare two growth policies (growing_kv_cache.h) against each other and against
+// sequence grows, and compare three growth policies (growing_kv_cache.h) against each other and against
 // chapter 01's naive recompute.
 #include <sys/resource.h>
 
@@ -33,11 +33,12 @@ int main(int argc, char** argv) {
   bool skip_naive = false;
   kvs::ArgParser parser("02_dynamic_cache",
                         "Chapter 02: a KV cache that grows. The prompt is prefilled once, then every new token is\n"
-                        "one position whose attention reads all earlier keys and values from the cache. Two growth\n"
+                        "one position whose attention reads all earlier keys and values from the cache. Three growth\n"
                         "policies run one after the other: 'concatenate' (a new buffer one position longer and a\n"
-                        "full copy on every step, like torch.cat) and 'chunked' (grow to need+1024 rounded up to\n"
-                        "1024). The first policy's text streams to stdout; per-policy allocations, bytes copied,\n"
-                        "peak cache bytes and timings go to stderr, with a check against naive generation.\n"
+                        "full copy on every step, like torch.cat), 'chunked' (grow to need+1024 rounded up to\n"
+                        "1024, like nanochat) and 'geometric' (double, like std::vector). The first policy's text\n"
+                        "streams to stdout; per-policy allocations, bytes copied, page faults, peak cache bytes\n"
+                        "and timings go to stderr, with a check against naive generation.\n"
                         "CSV columns (--csv): policy, allocations, bytes_copied, page_faults, peak_cache_bytes,\n"
                         "prefill_ms, decode_ms_median, tokens_per_s.");
   kvs::add_common_flags(parser, options, '"' + std::string(kDefaultPrompt) + '"');
@@ -65,7 +66,7 @@ int main(int argc, char** argv) {
     std::string table;  // printed once every run is done, after the streamed text
     char line[256];
     std::vector<int> reference = naive.tokens;  // with --skip-naive, the first policy's tokens instead
-    for (Growth growth : {Growth::kConcatenate, Growth::kChunked}) {
+    for (Growth growth : {Growth::kConcatenate, Growth::kChunked, Growth::kGeometric}) {
       kvs::ch02::GrowingKvCache cache(rt.backend, rt.model.config(), growth);
       kvs::Sampler sampler = rt.new_sampler();
       const bool stream = growth == Growth::kConcatenate;

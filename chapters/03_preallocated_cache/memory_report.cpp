@@ -36,14 +36,15 @@ void print_memory_comparison(const ModelConfig& ours, std::int64_t budget_bytes)
                  format_bytes(per_token * 4096.0).c_str(), format_bytes(per_token * 32768.0).c_str(),
                  format_bytes(per_token * 131072.0).c_str());
   }
-  std::fprintf(stderr, "\ncontext wall in %s (e.g. one GPU): the weights take their share, the KV cache gets the rest\n",
+  std::fprintf(stderr, "\ncontext wall in %s (--memory-budget, e.g. one GPU): the weights take their share, the KV cache\n"
+               "gets the rest: the longest context of one sequence, or how many sequences of the trained context\n",
                format_bytes(budget_bytes).c_str());
-  std::fprintf(stderr, "%-32s %10s %10s %16s %22s\n", "", "weights", "left", "longest context",
-               "sequences at trained");
+  std::fprintf(stderr, "%-32s %10s %11s %26s %12s\n", "", "weights", "left for KV",
+               "longest context (x trained)", "sequences");
   for (const Known& k : known) {
     const double weights = k.parameters * k.bytes_per_element, left = double(budget_bytes) - weights;
     if (left <= 0) {
-      std::fprintf(stderr, "%-32s %10s %10s %16s\n", k.name, format_bytes(weights).c_str(), "-",
+      std::fprintf(stderr, "%-32s %10s %11s %26s\n", k.name, format_bytes(weights).c_str(), "-",
                    "the weights alone do not fit");
       continue;
     }
@@ -51,9 +52,9 @@ void print_memory_comparison(const ModelConfig& ours, std::int64_t budget_bytes)
     const auto positions = static_cast<std::int64_t>(left / per_token);
     const auto sequences = static_cast<std::int64_t>(left / (double(per_token) * k.trained_context));
     char context[32];
-    std::snprintf(context, sizeof context, "%lld (%.1fx %d)", static_cast<long long>(positions),
-                  double(positions) / k.trained_context, k.trained_context);
-    std::fprintf(stderr, "%-32s %10s %10s %16s %22lld\n", k.name, format_bytes(weights).c_str(),
+    std::snprintf(context, sizeof context, "%lld (%.1fx)", static_cast<long long>(positions),
+                  double(positions) / k.trained_context);
+    std::fprintf(stderr, "%-32s %10s %11s %26s %12lld\n", k.name, format_bytes(weights).c_str(),
                  format_bytes(left).c_str(), context, static_cast<long long>(sequences));
   }
 }
