@@ -11,8 +11,9 @@ the script writes the machine, CPU and date it ran on, so every timing says wher
 
 Commands run in order, chapter by chapter, with bash, in a scratch folder that looks like the repository
 (build/, data/ and plots/ lead to the real ones), so files a command writes (naive.csv, long_prompt.txt)
-stay out of the repository; with --check, plots/ is a scratch folder too, so the tiny runs overwrite
-nothing. --check shrinks what makes a run long (new tokens, sweep lengths, repeats, evaluated bytes) and
+stay out of the repository; with --check, plots/ is a scratch folder too, so the tiny runs overwrite no
+plot data. (Chapter 00's corpus command rebuilds data/kjv/train.txt in place, and leaves the committed
+valid.txt untouched when it is unchanged: data/build_corpus.py replaces a file only when its text differs.) --check shrinks what makes a run long (new tokens, sweep lengths, repeats, evaluated bytes) and
 lists test cases instead of running them: it checks that every command still runs and exits 0.
 """
 import argparse
@@ -86,7 +87,9 @@ def blocks(text):
         if line.strip() == MARK:
             if i + 1 >= len(lines) or not lines[i + 1].startswith("```"):
                 raise SystemExit(f"a {MARK} line must be followed by a ``` block")
-            end = next(j for j in range(i + 2, len(lines)) if lines[j].startswith("```"))
+            end = next((j for j in range(i + 2, len(lines)) if lines[j].startswith("```")), None)
+            if end is None:
+                raise SystemExit(f"a {MARK} block is never closed with ```")
             yield i + 2, end
 
 
@@ -108,7 +111,9 @@ def process(path, cwd, check):
                 failures += 1
                 print(f"  FAILED with exit code {code}:\n{output[-2000:]}", file=sys.stderr)
             body.append("$ " + command)
-            body.extend(output.rstrip("\n").split("\n") if output else [])
+            for line in output.rstrip("\n").split("\n") if output else []:
+                # output that would read as a command or close the block on the next run is indented
+                body.append(" " + line if line.startswith(("$ ", "```")) else line)
         out.extend(body)
         out.append(lines[end])  # the closing fence
         cursor = end + 1
@@ -117,7 +122,7 @@ def process(path, cwd, check):
             cursor += 1
         out.append(machine_line())
     out.extend(lines[cursor:])
-    if not check:
+    if not check and failures == 0:  # a failed command's output never lands in the book
         path.write_text("\n".join(out))
     return failures
 
@@ -134,7 +139,7 @@ def main():
     finally:
         shutil.rmtree(cwd)
     if not args.check:
-        code, output = run(f"/usr/bin/python3 {ROOT}/plots/plot.py", ROOT)
+        code, output = run(f"/usr/bin/python3 '{ROOT}/plots/plot.py'", ROOT)
         print(output, file=sys.stderr)
         failures += code != 0
     if failures:

@@ -16,7 +16,7 @@ banner "Chapter 00: the model we use (bits per byte on held-out text)"
 banner "Chapter 01: naive generation (the whole sequence is recomputed for every token)"
 "$bin/01_naive_generation" --max-new-tokens 150
 echo  # end the chapter's text with a newline
-banner "Chapter 02: a cache that grows (concatenate per step vs chunked growth)"
+banner "Chapter 02: a cache that grows (concatenate per step vs chunked vs geometric growth)"
 "$bin/02_dynamic_cache" --max-new-tokens 300
 echo  # end the chapter's text with a newline
 banner "Chapter 03: the preallocated cache (prefill, decode, memory, context wall)"

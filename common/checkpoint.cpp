@@ -80,7 +80,10 @@ std::size_t checkpoint_bytes(const ModelConfig& config) {
 Checkpoint::Checkpoint(const std::string& path) : path_(path) {
   // O_NONBLOCK: opening a FIFO must not wait for a writer before the kind of file is checked.
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) fail(path, std::string("cannot open: ") + std::strerror(errno) + " (check the --model path)");
+  if (fd < 0) {
+    const int error = errno;
+    fail(path, std::string("cannot open: ") + std::strerror(error) + " (check the --model path)");
+  }
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
@@ -113,8 +116,9 @@ Checkpoint::Checkpoint(const std::string& path) : path_(path) {
                    std::to_string(expected) + " bytes" + (size < expected ? " (truncated?)" : " (trailing data?)"));
   }
   void* mapping = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int map_error = errno;  // before close() can change it
   ::close(fd);
-  if (mapping == MAP_FAILED) fail(path, std::string("cannot map the file: ") + std::strerror(errno));
+  if (mapping == MAP_FAILED) fail(path, std::string("cannot map the file: ") + std::strerror(map_error));
   mapping_ = mapping;
   bytes_ = size;
 
@@ -184,13 +188,24 @@ void write_checkpoint(const std::string& path, const ModelConfig& c, const HostW
   // an interrupted write leaves the old file whole.
   std::string temp = path + ".XXXXXX";
   const int fd = ::mkstemp(temp.data());
-  if (fd < 0) fail(path, std::string("cannot open for writing: ") + std::strerror(errno));
+  if (fd < 0) {
+    const int error = errno;
+    fail(path, std::string("cannot open for writing: ") + std::strerror(error));
+  }
   ::close(fd);
   std::ofstream out(temp, std::ios::binary | std::ios::trunc);
   if (!out) {
+    const int error = errno;
     ::unlink(temp.c_str());
-    fail(path, std::string("cannot open for writing: ") + std::strerror(errno));
+    fail(path, std::string("cannot open for writing: ") + std::strerror(error));
   }
+  struct RemoveUnlessRenamed {  // a throw below (no memory for the tables) leaves no temporary behind
+    const std::string& file;
+    bool renamed = false;
+    ~RemoveUnlessRenamed() {
+      if (!renamed) ::unlink(file.c_str());
+    }
+  } cleanup{temp};
   auto put = [&out](const float* data, std::size_t floats) {
     out.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(floats * sizeof(float)));
   };
@@ -211,17 +226,18 @@ void write_checkpoint(const std::string& path, const ModelConfig& c, const HostW
   if (!c.shared_classifier) put(w.classifier.data(), w.classifier.size());
   out.close();
   if (!out) {
+    const int error = errno;
     ::unlink(temp.c_str());
-    fail(path, "write failed (disk full?)");
+    fail(path, std::string("write failed: ") + std::strerror(error));
   }
   const mode_t mask = ::umask(0);  // mkstemp makes the file private; give it the usual permissions
   ::umask(mask);
   ::chmod(temp.c_str(), 0666 & ~mask);
   if (std::rename(temp.c_str(), path.c_str()) != 0) {
     const int error = errno;
-    ::unlink(temp.c_str());
     fail(path, std::string("cannot replace the file: ") + std::strerror(error));
   }
+  cleanup.renamed = true;
 }
 
 }  // namespace kvs

@@ -75,7 +75,8 @@ void ArgParser::add_bytes(const std::string& name, const std::string& help, std:
                       try {
                         *target = parse_bytes(v);
                       } catch (const std::invalid_argument&) {
-                        return std::string("expects a size of at least 1 byte, such as 512MiB or 1.5GiB");
+                        return std::string("expects a size of at least 1 byte, a whole number of bytes (within "
+                                           "1%), such as 512MiB or 1.5GiB");
                       }
                       return std::string();
                     }});
@@ -210,7 +211,8 @@ std::int64_t parse_bytes(const std::string& text) {
   // Rounding to whole bytes may not change the size noticeably: 0.5 or 1e-9GiB is not a size, 0.1GiB is.
   if (used == 0 || scale == 0 || !std::isfinite(exact) || exact < 1 || bytes > 9.0e18 ||
       std::abs(bytes - exact) > 0.01 * exact)
-    throw std::invalid_argument("expects a size of at least 1 byte such as 512MiB or 16GiB, got '" + text + "'");
+    throw std::invalid_argument("expects a size of at least 1 byte, a whole number of bytes (within 1%), such as "
+                                "512MiB or 16GiB, got '" + text + "'");
   return static_cast<std::int64_t>(bytes);
 }
 
@@ -227,7 +229,10 @@ std::string read_input_file(const std::string& flag, const std::string& path, st
   const std::string what = flag + " " + path;
   // O_NONBLOCK: opening a FIFO must not wait for a writer before its kind is checked.
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) throw std::runtime_error("cannot read " + what + ": " + std::strerror(errno));
+  if (fd < 0) {
+    const int error = errno;
+    throw std::runtime_error("cannot read " + what + ": " + std::strerror(error));
+  }
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
@@ -328,7 +333,7 @@ int run_main(const ArgParser& parser, const std::function<int()>& body) {
   }
   std::cout.flush();
   if (std::fflush(stdout) != 0 || std::ferror(stdout) || !std::cout)
-    return report(std::string("cannot write to standard output: ") + std::strerror(errno ? errno : EIO), 1);
+    return report("cannot write to standard output (a full disk or a closed pipe?): the text is incomplete", 1);
   return code;
 }
 

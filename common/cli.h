@@ -92,8 +92,9 @@ void add_common_flags(ArgParser& parser, CommonOptions& options, const std::stri
 // Cores this process may run on (its CPU affinity), at least 1.
 int available_cores();
 
-// Reads "512MiB", "16GiB", "1.5G", "1000000" (bytes); K/M/G/T are binary (KiB = 1024 bytes); rounded to
-// whole bytes. Throws std::invalid_argument for anything else, or for less than one byte.
+// Reads "512MiB", "16GiB", "1.5G", "1000000" (bytes); K/M/G/T (with or without B/iB) are binary, 1024.
+// Rounded to whole bytes when that changes the size by at most 1% (0.1GiB is a size; 0.5 or 1e-9GiB,
+// which would round to 0 or 1 byte, are not). Throws std::invalid_argument for anything else.
 std::int64_t parse_bytes(const std::string& text);
 std::string format_bytes(double bytes);  // "5.2 MiB"
 

@@ -21,7 +21,9 @@ namespace {
 bool same_file(const std::string& a, const std::string& b) {
   std::error_code ec;
   if (fs::exists(a, ec) && fs::exists(b, ec)) return fs::equivalent(a, b, ec) && !ec;
-  return fs::weakly_canonical(a, ec) == fs::weakly_canonical(b, ec);
+  std::error_code ec_a, ec_b;
+  const fs::path pa = fs::weakly_canonical(a, ec_a), pb = fs::weakly_canonical(b, ec_b);
+  return !ec_a && !ec_b && pa == pb;  // a path that cannot be resolved is not "the same"
 }
 
 }  // namespace
@@ -68,9 +70,12 @@ std::string CsvWriter::quoted(const std::string& text) {
 void CsvWriter::commit() {
   if (!enabled()) return;
   const fs::path target = fs::absolute(output_.path);
-  std::string temp = (target.parent_path() / ("." + target.filename().string() + ".XXXXXX")).string();
-  auto fail = [&](const std::string& doing) {
-    const int error = errno;
+  const std::string content = header_ + '\n' + rows_;  // built first: nothing below allocates
+  std::string name = ".";  // a hidden temporary beside the target: ".out.csv.XXXXXX"
+  name += target.filename().string();
+  name += ".XXXXXX";
+  std::string temp = (target.parent_path() / name).string();
+  auto fail = [&](const std::string& doing, int error) {  // errno saved by the caller, before any cleanup
     ::unlink(temp.c_str());
     throw std::runtime_error("cannot write " + output_.flag + " " + output_.path + " (" + doing +
                              "): " + std::strerror(error));
@@ -82,19 +87,23 @@ void CsvWriter::commit() {
   }
   const mode_t mask = ::umask(0);  // mkstemp makes the file private; give it the usual permissions
   ::umask(mask);
-  ::fchmod(fd, 0666 & ~mask);
-  const std::string content = header_ + '\n' + rows_;
+  if (::fchmod(fd, 0666 & ~mask) != 0) {
+    const int error = errno;
+    ::close(fd);
+    fail("chmod", error);
+  }
   for (std::size_t done = 0; done < content.size();) {
     const ssize_t n = ::write(fd, content.data() + done, content.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
+      const int error = errno;
       ::close(fd);
-      fail("write");
+      fail("write", error);
     }
     done += static_cast<std::size_t>(n);
   }
-  if (::close(fd) != 0) fail("close");
-  if (std::rename(temp.c_str(), target.c_str()) != 0) fail("rename");
+  if (::close(fd) != 0) fail("close", errno);
+  if (std::rename(temp.c_str(), target.c_str()) != 0) fail("rename", errno);
 }
 
 }  // namespace kvs

@@ -41,9 +41,17 @@ Runtime::Runtime(const CommonOptions& options, const std::string& default_prompt
       prompt_file(options.prompt_file),
       prompt(encode_bytes(resolve_prompt(options, default_prompt))),
       sampling{options.temperature, options.top_k, options.seed},
+      memory_limit(options.memory_limit),
       backend(options.threads),
       memory(plan_run(options, checkpoint, backend, prompt.size(), fit, longest_sequence)),
       model(checkpoint, backend, memory.positions, memory.positions) {}
+
+void Runtime::plan_kv_cache(std::int64_t bytes) {
+  MemoryPlan plan = memory;
+  plan.kv_cache = bytes;
+  check_memory(plan, memory_limit);
+  memory = plan;
+}
 
 MemoryPlan plan_memory(const Checkpoint& checkpoint, const Backend& backend, int positions, int cache_positions) {
   const ModelConfig& c = checkpoint.config();

@@ -47,6 +47,10 @@ class Runtime {
           int longest_sequence = 0);
   Runtime(const Runtime&) = delete;
 
+  // The KV caches this run will hold at its peak, in bytes, when they differ from one cache of the run's
+  // longest sequence (the default plan): re-checks --memory-limit (throws UsageError) and updates the plan.
+  void plan_kv_cache(std::int64_t bytes);
+
   // Setup and memory plan, two lines for stderr.
   std::string describe() const { return describe_setup(checkpoint, backend) + "\n" + memory.describe(); }
   // The files this run reads, which no output may overwrite.
@@ -59,6 +63,7 @@ class Runtime {
   std::string prompt_file;  // empty unless --prompt-file was given
   std::vector<int> prompt;  // the prompt's tokens (bytes)
   SamplerSettings sampling;
+  std::int64_t memory_limit;
   CpuBackend backend;
   MemoryPlan memory;
   Model model;

@@ -11,6 +11,7 @@ of its bytes to the end (the last epistles and Revelation), so it is prose the m
 train.txt is rebuilt from the package and not committed; valid.txt is committed so that evaluation and
 the default prompts work without the package.
 """
+import os
 import re
 import subprocess
 import sys
@@ -53,14 +54,25 @@ def unwrap(lines):
     return re.sub(r"\n{3,}", "\n\n", text)
 
 
+def replace_if_changed(path, text):
+    """Leaves an identical file untouched; otherwise writes a temporary file and renames it over `path`, so
+    a program reading the file meanwhile (a test, a chapter) sees the old text or the new, never a part."""
+    data = text.encode()
+    if path.exists() and path.read_bytes() == data:
+        return
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temp.write_bytes(data)
+    os.replace(temp, path)
+
+
 def main():
     text = unwrap(read_bible())
     cut = int(len(text) * (1 - VALID_FRACTION))
     cut = text.index("\n\n", cut) + 2  # start validation at a chapter heading
     train, valid = text[:cut], text[cut:]
     (HERE / "kjv").mkdir(exist_ok=True)
-    (HERE / "kjv" / "train.txt").write_text(train)
-    (HERE / "kjv" / "valid.txt").write_text(valid)
+    replace_if_changed(HERE / "kjv" / "train.txt", train)
+    replace_if_changed(HERE / "kjv" / "valid.txt", valid)
     first = valid.splitlines()[0]
     print(f"corpus {len(text)} bytes: train {len(train)} bytes, valid {len(valid)} bytes "
           f"({100 * len(valid) / len(text):.1f}%, from '{first}' to the end)")

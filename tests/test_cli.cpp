@@ -31,7 +31,7 @@ Parsed parse(std::vector<const char*> args) {
 
 TEST_CASE("cli: the common flags parse, in both --flag value and --flag=value forms") {
   const Parsed p = parse({"--model", "m.bin", "--prompt=Hi there", "--max-new-tokens", "17", "--temperature",
-                          "0.8", "--top-k=5", "--seed", "18446744073709551615", "--threads", "2", "--csv", "x.csv"});
+                          "0.8", "--top-k=5", "--seed", "18446744073709551615", "--threads", "1", "--csv", "x.csv"});
   REQUIRE(p.outcome.error.empty());
   CHECK_FALSE(p.outcome.help);
   CHECK(p.options.model == "m.bin");
@@ -40,7 +40,7 @@ TEST_CASE("cli: the common flags parse, in both --flag value and --flag=value fo
   CHECK(p.options.temperature == doctest::Approx(0.8));
   CHECK(p.options.top_k == 5);
   CHECK(p.options.seed == 18446744073709551615ull);
-  CHECK(p.options.threads == 2);
+  CHECK(p.options.threads == 1);
   CHECK(p.options.csv == "x.csv");
   CHECK(parse({"--help"}).outcome.help);
 }

@@ -55,6 +55,7 @@ int main(int argc, char** argv) {
 
   return kvs::run_main(parser, [&] {
     kvs::Runtime rt(options, kDefaultPrompt);
+    rt.plan_kv_cache(0);  // naive generation keeps no cache
     kvs::CsvWriter csv({"--csv", options.csv}, "step,context_tokens,ms", rt.inputs());
     std::cerr << rt.describe() << "\nnaive generation of " << options.max_new_tokens << " tokens after a "
               << rt.prompt.size() << "-token prompt\n\n";

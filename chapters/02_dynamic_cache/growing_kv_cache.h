@@ -40,6 +40,19 @@ inline int grown_capacity(Growth growth, int capacity, int needed) {
   return (needed + kChunk + kChunk - 1) / kChunk * kChunk;
 }
 
+// The most positions a cache of this policy holds at once (old and new buffers during a copy) when it is
+// prefilled with `prefill` positions and then grows one position at a time to `total`.
+inline std::int64_t peak_positions(Growth growth, int prefill, int total) {
+  int capacity = grown_capacity(growth, 0, prefill);
+  std::int64_t peak = capacity;
+  for (int needed = prefill + 1; needed <= total; ++needed) {
+    const int grown = grown_capacity(growth, capacity, needed);
+    if (grown != capacity) peak = std::max<std::int64_t>(peak, std::int64_t(capacity) + grown);
+    capacity = grown;
+  }
+  return peak;
+}
+
 class GrowingKvCache final : public KvCache {
  public:
   GrowingKvCache(Backend& backend, const ModelConfig& config, Growth growth)

@@ -3,6 +3,7 @@
 // chapter 01's naive recompute.
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -48,6 +49,12 @@ int main(int argc, char** argv) {
   return kvs::run_main(parser, [&] {
     using kvs::ch02::Growth;
     kvs::Runtime rt(options, kDefaultPrompt);
+    // One policy's cache at a time; the plan is the largest peak of the three.
+    const int prompt_tokens = static_cast<int>(rt.prompt.size()), total = prompt_tokens + options.max_new_tokens;
+    std::int64_t peak = 0;
+    for (Growth growth : {Growth::kConcatenate, Growth::kChunked, Growth::kGeometric})
+      peak = std::max(peak, kvs::ch02::peak_positions(growth, prompt_tokens, total));
+    rt.plan_kv_cache(kvs::kv_cache_bytes(rt.model.config(), peak));
     kvs::CsvWriter csv({"--csv", options.csv},
                        "policy,allocations,bytes_copied,page_faults,peak_cache_bytes,prefill_ms,decode_ms_median,tokens_per_s",
                        rt.inputs());

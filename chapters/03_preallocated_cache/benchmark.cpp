@@ -75,16 +75,27 @@ int main(int argc, char** argv) {
     const std::vector<int> lengths = parse_lengths(lengths_text);
     if (options.max_new_tokens < 2) throw kvs::UsageError("--max-new-tokens must be at least 2 to time decoding");
     std::string default_prompt;  // the held-out validation text: real prose the model never trained on
-    if (options.prompt.empty() && options.prompt_file.empty())
-      default_prompt = kvs::read_input_file("the validation text", kvs::find_data_file("kjv/valid.txt"), 1 << 30);
+    std::vector<kvs::NamedPath> inputs;
+    if (options.prompt.empty() && options.prompt_file.empty()) {
+      inputs.push_back({"the validation text", kvs::find_data_file("kjv/valid.txt")});
+      default_prompt = kvs::read_input_file(inputs[0].flag, inputs[0].path, 1 << 30);
+    }
     // The sweep takes prefixes of the prompt; the longest run is the longest length plus its new tokens.
     const int longest = *std::max_element(lengths.begin(), lengths.end()) + options.max_new_tokens;
     kvs::Runtime rt(options, default_prompt, kvs::PromptFit::kCutByCaller, longest);
     const kvs::ModelConfig& c = rt.model.config();
+    std::int64_t peak = 0;  // one cache at a time: the largest peak over lengths and policies
+    for (int length : lengths) {
+      const int prompt_len = std::min(length, c.seq_len - options.max_new_tokens), total = prompt_len + options.max_new_tokens;
+      for (Growth growth : {Growth::kConcatenate, Growth::kChunked})
+        peak = std::max(peak, kvs::ch02::peak_positions(growth, prompt_len, total));
+    }
+    rt.plan_kv_cache(kvs::kv_cache_bytes(c, peak));
     // Rows are committed as they are measured: an interrupted sweep keeps every finished row.
+    for (const kvs::NamedPath& input : rt.inputs()) inputs.push_back(input);
     kvs::CsvWriter csv({"--csv", options.csv},
-                       "method,prompt_tokens,ttft_ms,decode_ms_median,decode_steps,cache_bytes,threads", rt.inputs());
-    std::vector<kvs::NamedPath> not_memory_csv = rt.inputs();
+                       "method,prompt_tokens,ttft_ms,decode_ms_median,decode_steps,cache_bytes,threads", inputs);
+    std::vector<kvs::NamedPath> not_memory_csv = inputs;
     not_memory_csv.push_back({"--csv", options.csv});
     kvs::CsvWriter mem_csv({"--memory-csv", memory_csv},
                            "method,positions,allocated_bytes,resident_bytes,analytic_bytes", not_memory_csv);

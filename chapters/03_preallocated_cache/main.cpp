@@ -63,6 +63,9 @@ int main(int argc, char** argv) {
     if (max_context < needed)
       throw kvs::UsageError("--max-context " + std::to_string(max_context) + " is shorter than the prompt plus "
                             "--max-new-tokens (" + std::to_string(needed) + " positions)");
+    // The cache, and with --prefill-chunk a second one holding the prompt, to check against one-shot prefill.
+    rt.plan_kv_cache(kvs::kv_cache_bytes(c, max_context) +
+                     (prefill_chunk > 0 ? kvs::kv_cache_bytes(c, rt.prompt.size()) : 0));
     kvs::CsvWriter csv({"--csv", options.csv},
                        "prompt_tokens,new_tokens,prefill_chunk,prefill_ms,decode_ms_median,tokens_per_s,"
                        "cache_positions,analytic_bytes,allocated_bytes,resident_bytes,peak_rss_growth_bytes",
