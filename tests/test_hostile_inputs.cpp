@@ -81,6 +81,24 @@ TEST_CASE("results: a CSV that cannot be written is an error, not 'wrote'") {
   }
 }
 
+TEST_CASE("results: a CSV write that fails midway is an error, and the earlier file survives whole") {
+  // RLIMIT_FSIZE 0 makes every write to a regular file fail (EFBIG) - the CSV's temporary file included -
+  // while stdout and stderr go to a pipe, which the limit does not touch.
+  TempDir dir;
+  const std::string csv = dir.file("out.csv"), script = dir.file("run.sh");
+  std::ofstream(csv) << "earlier results\n";
+  std::ofstream(script) << "set -o pipefail\n( ulimit -f 0; trap '' XFSZ; exec " << binary("01_naive_generation")
+                        << small_model() << " --max-new-tokens 3 --csv " << csv << " ) 2>&1 | cat\n";
+  const auto r = run_command("bash " + script);
+  CHECK(r.exit_code == 1);
+  CHECK(r.out.find("cannot write --csv " + csv + " (write): File too large") != std::string::npos);
+  CHECK(r.out.find("wrote") == std::string::npos);
+  CHECK(slurp(csv) == "earlier results\n");
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.file(""))) files += entry.is_regular_file();
+  CHECK(files == 2);  // out.csv and run.sh: no temporary left behind
+}
+
 TEST_CASE("results: text that cannot be written to stdout is an error") {
   for (const std::string name : {"00_perplexity", "01_naive_generation"}) {
     CAPTURE(name);
