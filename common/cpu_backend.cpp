@@ -113,6 +113,13 @@ void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvV
       // The scale is applied in the masking loop below: folded into the product, it makes Eigen allocate
       // a temporary for a single query, i.e. on every decode step.
       S.noalias() = Q * K.transpose();
+      // A row that no query of the block may see (an empty slot, a row outside the window) must not enter
+      // the product below, whatever its bytes. Checked at the block's first and last query: a row only a
+      // middle query sees is flagged too, which costs the exact path below, never a wrong result.
+      bool unseen_row = false;
+      for (int r = 0; r < rows && !unseen_row; ++r)
+        unseen_row = !key_visible(pos + q0 + nq - 1, kv.position_of(r), kv.window) &&
+                     !key_visible(pos + q0, kv.position_of(r), kv.window);
       for (int i = 0; i < nq; ++i) {
         float* s = S.row(i).data();
         const int query_pos = pos + q0 + i;
@@ -130,7 +137,18 @@ void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvV
         const float inv_sum = 1.0f / sum;
         for (int r = 0; r < rows; ++r) s[r] *= inv_sum;
       }
-      O.noalias() = S * V;
+      if (!unseen_row) {
+        O.noalias() = S * V;  // every row is seen by some query of the block: its bytes are real keys/values
+        continue;
+      }
+      // Some rows hold nothing this block may read: a weight of 0 times a NaN in such a row would still be
+      // NaN, so the output sums over the visible rows only.
+      for (int i = 0; i < nq; ++i) {
+        O.row(i).setZero();
+        const int query_pos = pos + q0 + i;
+        for (int r = 0; r < rows; ++r)
+          if (key_visible(query_pos, kv.position_of(r), kv.window)) O.row(i).noalias() += S(i, r) * V.row(r);
+      }
     }
   };
   // Heads are independent: one per thread. A one-thread OpenMP region is avoided, not just disabled with

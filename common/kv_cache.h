@@ -9,14 +9,25 @@
 // pass never changes from one chapter to the next.
 #include <cstddef>
 
+#include "host_device.h"
+
 namespace kvs {
 
-// Whether a query at `query_pos` may attend to the key at `key_pos`: causal (never the future), and,
-// with a window W > 0, only the W most recent positions including itself (query_pos - key_pos < W).
-// window == 0 means no window; a negative key_pos marks an empty row. The one masking rule; every
-// backend calls it.
-inline bool key_visible(int query_pos, int key_pos, int window) {
-  return key_pos >= 0 && key_pos <= query_pos && (window == 0 || query_pos - key_pos < window);
+// Which earlier keys a query may see besides being causal. size == 0: all of them. size W > 0: at most W
+// keys - the `sinks` first positions of the sequence, kept forever (StreamingLLM's attention sinks), and
+// the W - sinks most recent positions, the query's own included. 0 <= sinks < W.
+struct Window {
+  int size = 0;
+  int sinks = 0;
+};
+
+// Whether a query at `query_pos` may attend to the key at `key_pos`: causal (never the future), and
+// within the window. A negative key_pos marks an empty row, never visible. The one masking rule; every
+// backend, every cache and every test calls it.
+KVS_HOST_DEVICE inline bool key_visible(int query_pos, int key_pos, Window window) {
+  if (key_pos < 0 || key_pos > query_pos) return false;
+  if (window.size == 0 || key_pos < window.sinks) return true;
+  return query_pos - key_pos < window.size - window.sinks;
 }
 
 // The keys and values one layer may attend to: `rows` rows of kv_dim floats (n_kv_heads heads of
@@ -27,12 +38,15 @@ struct KvView {
   int rows = 0;
   int row_stride = 0;
   // Row r holds position row_positions[r] (a negative value marks an empty row), or, when
-  // row_positions is null, position first_position + r.
+  // row_positions is null, position first_position + r. A row a query may not see (key_visible) never
+  // contributes to its output, whatever the row's bytes: an empty slot may hold anything, NaN included.
   const int* row_positions = nullptr;
   int first_position = 0;
-  int window = 0;  // see key_visible
+  Window window = Window{};  // see key_visible
 
-  int position_of(int row) const { return row_positions ? row_positions[row] : first_position + row; }
+  KVS_HOST_DEVICE int position_of(int row) const {
+    return row_positions ? row_positions[row] : first_position + row;
+  }
 };
 
 class KvCache {

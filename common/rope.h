@@ -4,11 +4,7 @@
 // the thousands keep their accuracy, and rounded to float once. Every backend calls these two functions.
 #include <cmath>
 
-#if defined(__CUDACC__)
-#define KVS_HOST_DEVICE __host__ __device__
-#else
-#define KVS_HOST_DEVICE
-#endif
+#include "host_device.h"
 
 namespace kvs {
 

@@ -114,18 +114,32 @@ TEST_CASE("preallocated cache: exactly the formula's bytes, written in place, re
   CHECK_THROWS_WITH(write_positions(cache, 301, 1), doctest::Contains("leaves a gap"));
 }
 
-TEST_CASE("masking rule: causal, with a window of W keys including the query's own") {
-  CHECK(key_visible(5, 5, 0));
-  CHECK(key_visible(5, 0, 0));
-  CHECK_FALSE(key_visible(5, 6, 0));   // the future
-  CHECK_FALSE(key_visible(5, -1, 0));  // an empty row
+TEST_CASE("masking rule: causal, with a window of W keys including the query's own, and sinks") {
+  CHECK(key_visible(5, 5, {}));
+  CHECK(key_visible(5, 0, {}));
+  CHECK_FALSE(key_visible(5, 6, {}));   // the future
+  CHECK_FALSE(key_visible(5, -1, {}));  // an empty row
   // window 3 at query 10: keys 8, 9, 10 (three of them)
-  CHECK_FALSE(key_visible(10, 7, 3));
-  CHECK(key_visible(10, 8, 3));
-  CHECK(key_visible(10, 10, 3));
-  CHECK_FALSE(key_visible(10, 11, 3));
-  CHECK(key_visible(0, 0, 1));
-  CHECK_FALSE(key_visible(1, 0, 1));
+  CHECK_FALSE(key_visible(10, 7, {3, 0}));
+  CHECK(key_visible(10, 8, {3, 0}));
+  CHECK(key_visible(10, 10, {3, 0}));
+  CHECK_FALSE(key_visible(10, 11, {3, 0}));
+  CHECK(key_visible(0, 0, {1, 0}));
+  CHECK_FALSE(key_visible(1, 0, {1, 0}));
+  // window 8 with 4 sinks at query 100: keys 0..3 forever, then the 4 most recent, 97..100
+  CHECK(key_visible(100, 0, {8, 4}));  // a sink stays visible long after it left the recent part
+  CHECK(key_visible(100, 3, {8, 4}));
+  CHECK_FALSE(key_visible(100, 4, {8, 4}));
+  CHECK_FALSE(key_visible(100, 96, {8, 4}));
+  CHECK(key_visible(100, 97, {8, 4}));
+  CHECK_FALSE(key_visible(2, 3, {8, 4}));  // a sink is still never the future
+  // every query sees exactly min(W, query + 1) keys
+  for (const Window w : {Window{1, 0}, Window{5, 0}, Window{5, 1}, Window{8, 4}, Window{7, 6}})
+    for (int q = 0; q < 40; ++q) {
+      int seen = 0;
+      for (int k = -1; k <= q + 1; ++k) seen += key_visible(q, k, w);
+      CHECK(seen == std::min(w.size, q + 1));
+    }
 }
 
 TEST_CASE("resident memory: pages are resident once written, not when allocated") {

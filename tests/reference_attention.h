@@ -1,0 +1,48 @@
+#pragma once
+// Attention written as plainly as it can be, for one query at a time over any KvView: the oracle the
+// backends' fast attention is compared with (the CPU's blocked Eigen products here; the CUDA kernels
+// later). It reads the view's rows only through position_of and key_visible, and a row a query may not
+// see is never touched, so empty rows may hold anything.
+#include <cmath>
+#include <vector>
+
+#include "backend.h"
+#include "kv_cache.h"
+
+namespace kvs::test {
+
+// out (n, n_heads·head_dim) for queries q (n, n_heads·head_dim) at positions pos .. pos+n-1.
+inline void reference_attention(float* out, const float* q, int pos, int n, const KvView& kv,
+                                const AttentionShape& shape) {
+  const int head_dim = shape.head_dim, dim = shape.n_heads * head_dim;
+  const int group = shape.n_heads / shape.n_kv_heads;
+  std::vector<double> weight(kv.rows);
+  for (int i = 0; i < n; ++i)
+    for (int h = 0; h < shape.n_heads; ++h) {
+      const float* query = q + std::size_t(i) * dim + h * head_dim;
+      const int kv_head = h / group;
+      double max_score = -INFINITY;
+      for (int r = 0; r < kv.rows; ++r) {
+        weight[r] = -INFINITY;
+        if (!key_visible(pos + i, kv.position_of(r), kv.window)) continue;
+        const float* key = kv.keys + std::size_t(r) * kv.row_stride + kv_head * head_dim;
+        double dot = 0;
+        for (int d = 0; d < head_dim; ++d) dot += double(query[d]) * key[d];
+        weight[r] = dot / std::sqrt(double(head_dim));
+        max_score = std::max(max_score, weight[r]);
+      }
+      double sum = 0;
+      for (int r = 0; r < kv.rows; ++r)
+        if (weight[r] != -INFINITY) sum += (weight[r] = std::exp(weight[r] - max_score));
+      float* o = out + std::size_t(i) * dim + h * head_dim;
+      for (int d = 0; d < head_dim; ++d) {
+        double acc = 0;
+        for (int r = 0; r < kv.rows; ++r)
+          if (weight[r] != -INFINITY)
+            acc += weight[r] / sum * kv.values[std::size_t(r) * kv.row_stride + kv_head * head_dim + d];
+        o[d] = static_cast<float>(acc);  // 0 when nothing is visible, as the backends give
+      }
+    }
+}
+
+}  // namespace kvs::test
