@@ -1,0 +1,100 @@
+#pragma once
+// Chapter 04's lesson: a KV cache that forgets. It holds a fixed number of slots, allocated once, and
+// writes position p into slot ring.write_slot(p) (common/ring.h): the first `sinks` positions keep their
+// slots forever (attention sinks), every later position overwrites the oldest non-sink one. Memory is
+// 2 · layers · kv_heads · head_dim · slots · 4 bytes however long the generation runs.
+//
+// What each query sees is decided by the one masking rule, key_visible with the cache's Window: the sinks
+// and the window.size - sinks most recent positions. The ring holds window.size + max_tokens_per_call - 1
+// slots, because a forward pass writes all its positions before its queries attend (see ring.h): decoding
+// (one position per call) needs exactly window.size slots; a prefill in chunks of C needs C - 1 more.
+//
+// Keys are stored rotated by RoPE at their absolute position, as the model computes them: exact inside the
+// model's trained context, refused past it (a position the model never saw in training).
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "config.h"
+#include "kv_cache.h"
+#include "resident_memory.h"
+#include "ring.h"
+
+namespace kvs::ch04 {
+
+class SlidingWindowKvCache final : public KvCache {
+ public:
+  SlidingWindowKvCache(Backend& backend, const ModelConfig& config, Window window, int max_tokens_per_call)
+      : backend_(backend),
+        kv_dim_(config.kv_dim()),
+        n_layers_(config.n_layers),
+        max_positions_(config.seq_len),
+        max_tokens_per_call_(max_tokens_per_call),
+        window_(check(window, max_tokens_per_call)),
+        ring_{window.size + max_tokens_per_call - 1, window.sinks},
+        storage_(backend, std::size_t(config.n_layers) * 2 * ring_.slots * config.kv_dim()),
+        slot_positions_(ring_.slots, -1) {}
+
+  void prepare(int pos, int n) override {
+    if (pos != length_)
+      throw std::invalid_argument("SlidingWindowKvCache: position " + std::to_string(pos) + " after " +
+                                  std::to_string(length_) + " cached positions; a ring can only append");
+    if (n > max_tokens_per_call_)
+      throw std::invalid_argument("SlidingWindowKvCache: " + std::to_string(n) + " positions in one call; this ring "
+                                  "was built for calls of at most " + std::to_string(max_tokens_per_call_) +
+                                  " (prefill in chunks of that size)");
+    if (pos + n > max_positions_)
+      throw std::invalid_argument("SlidingWindowKvCache: position " + std::to_string(pos + n - 1) +
+                                  " is past the model's trained context of " + std::to_string(max_positions_) +
+                                  "; keys rotated at absolute positions are only exact inside it");
+    for (int p = pos; p < pos + n; ++p) slot_positions_[ring_.write_slot(p)] = p;
+    length_ = pos + n;
+  }
+
+  void write(int layer, int pos, int n, const float* k, const float* v) override {
+    if (layer < 0 || layer >= n_layers_ || pos < 0 || pos + n > length_)
+      throw std::invalid_argument("SlidingWindowKvCache: write outside the prepared positions");
+    for (int i = 0; i < n; ++i) {  // one row per position: consecutive positions may wrap
+      const std::size_t row = std::size_t(ring_.write_slot(pos + i)) * kv_dim_;
+      backend_.copy(storage_.data() + block(layer, 0) + row, k + std::size_t(i) * kv_dim_, kv_dim_);
+      backend_.copy(storage_.data() + block(layer, 1) + row, v + std::size_t(i) * kv_dim_, kv_dim_);
+    }
+  }
+
+  // Every slot, in slot order: row r holds position slot_positions[r] (-1 until first written).
+  KvView view(int layer) const override {
+    return KvView{.keys = storage_.data() + block(layer, 0), .values = storage_.data() + block(layer, 1),
+                  .rows = ring_.slots, .row_stride = kv_dim_, .row_positions = slot_positions_.data(),
+                  .first_position = 0, .window = window_};
+  }
+
+  int length() const override { return length_; }
+  int slots() const { return ring_.slots; }
+  const Window& window() const { return window_; }
+  std::int64_t allocated_bytes() const { return std::int64_t(storage_.size()) * sizeof(float); }
+  std::int64_t resident_bytes() const { return kvs::resident_bytes(storage_.data(), storage_.size() * sizeof(float)); }
+
+ private:
+  static Window check(Window window, int max_tokens_per_call) {
+    if (window.size < 1 || window.sinks < 0 || window.sinks >= window.size || max_tokens_per_call < 1)
+      throw std::invalid_argument("SlidingWindowKvCache: a window of " + std::to_string(window.size) + " keys with " +
+                                  std::to_string(window.sinks) + " sinks and calls of " +
+                                  std::to_string(max_tokens_per_call) +
+                                  " positions; need 0 <= sinks < window and calls of at least 1 position");
+    return window;
+  }
+  // Offset of a layer's keys (kv = 0) or values (kv = 1): a (slots, kv_dim) block.
+  std::size_t block(int layer, int kv) const { return (std::size_t(layer) * 2 + kv) * ring_.slots * kv_dim_; }
+
+  Backend& backend_;
+  int kv_dim_, n_layers_, max_positions_, max_tokens_per_call_;
+  Window window_;
+  Ring ring_;
+  Buffer storage_;                   // (layers, 2, slots, kv_dim)
+  std::vector<int> slot_positions_;  // (slots) the position each slot holds, -1: never written
+  int length_ = 0;
+};
+
+}  // namespace kvs::ch04

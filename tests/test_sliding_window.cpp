@@ -1,0 +1,189 @@
+// Chapter 04's ring cache: it equals a full cache masked to the same window (the brute-force reference)
+// across the wrap points, with and without sinks; chunked prefill through the ring equals token-by-token
+// filling; a window as long as the sequence is the full cache; memory stays the slots it was built with.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "03_preallocated_cache/preallocated_kv_cache.h"
+#include "04_sliding_window/sliding_window_kv_cache.h"
+#include "cli.h"
+#include "cpu_backend.h"
+#include "generate.h"
+#include "model.h"
+#include "test_util.h"
+#include "tokenizer.h"
+
+using namespace kvs;
+
+namespace {
+
+// The brute-force reference: every position kept (a full-length cache), the window applied as a mask only.
+struct MaskedFullCache final : KvCache {
+  ch03::PreallocatedKvCache full;
+  Window window;
+  MaskedFullCache(Backend& b, const ModelConfig& c, int n, Window w) : full(b, c, n), window(w) {}
+  void prepare(int pos, int n) override { full.prepare(pos, n); }
+  void write(int layer, int pos, int n, const float* k, const float* v) override { full.write(layer, pos, n, k, v); }
+  KvView view(int layer) const override {
+    KvView v = full.view(layer);
+    v.window = window;
+    return v;
+  }
+  int length() const override { return full.length(); }
+};
+
+// Logits of every position of `tokens`, fed through `cache` in calls of `chunk` positions.
+std::vector<float> all_logits(Model& model, KvCache& cache, const std::vector<int>& tokens, int chunk) {
+  std::vector<float> out;
+  const int n = static_cast<int>(tokens.size());
+  for (int pos = 0; pos < n; pos += chunk) {
+    const auto logits = model.forward(std::span<const int>(tokens).subspan(pos, std::min(chunk, n - pos)), pos, &cache,
+                                      Logits::kAllPositions);
+    out.insert(out.end(), logits.begin(), logits.end());
+  }
+  return out;
+}
+
+float max_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  float worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
+  return worst;
+}
+
+std::vector<int> random_tokens(int n, int vocab, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::vector<int> tokens(n);
+  for (int& t : tokens) t = static_cast<int>(gen() % vocab);
+  return tokens;
+}
+
+// The same model, the same keys; only the order of rows in attention's sums differs (ring slots against
+// positions), which moves logits of magnitude ~10 by ~1e-6. A missing, stale or extra key moves them by
+// far more than 1e-4.
+constexpr float kTolerance = 1e-4f;
+
+}  // namespace
+
+TEST_CASE("sliding window: the ring equals a full cache masked to the window, across the wrap points") {
+  const Checkpoint checkpoint(test::golden_path("gqa.bin"));  // 3 query heads per KV head
+  const ModelConfig& c = checkpoint.config();
+  CpuBackend backend(1);
+  Model model(checkpoint, backend);
+  const int W = 13;  // not a power of two
+  for (const Window window : {Window{W, 0}, Window{W, 4}})
+    for (int length : {W - 1, W, W + 1, 2 * W, 2 * W + 1})
+      for (int chunk : {1, 5, length}) {  // token by token, in chunks, in one call
+        CAPTURE(window.sinks);
+        CAPTURE(length);
+        CAPTURE(chunk);
+        const std::vector<int> tokens = random_tokens(length, c.vocab_size, length);
+        MaskedFullCache reference(backend, c, length, window);
+        ch04::SlidingWindowKvCache ring(backend, c, window, chunk);
+        CHECK(ring.slots() == W + chunk - 1);
+        const float worst = max_difference(all_logits(model, reference, tokens, 1), all_logits(model, ring, tokens, chunk));
+        CHECK(worst <= kTolerance);
+      }
+}
+
+TEST_CASE("sliding window: the window matters - past it, a ring and a full unmasked cache disagree") {
+  const Checkpoint checkpoint(test::golden_path("gqa.bin"));
+  const ModelConfig& c = checkpoint.config();
+  CpuBackend backend(1);
+  Model model(checkpoint, backend);
+  const std::vector<int> tokens = random_tokens(30, c.vocab_size, 3);
+  ch03::PreallocatedKvCache full(backend, c, 30);
+  ch04::SlidingWindowKvCache ring(backend, c, {8, 0}, 1);
+  const std::vector<float> a = all_logits(model, full, tokens, 1), b = all_logits(model, ring, tokens, 1);
+  const std::size_t inside = std::size_t(8) * c.vocab_size;  // the first 8 positions see everything in both
+  CHECK(max_difference({a.begin(), a.begin() + inside}, {b.begin(), b.begin() + inside}) <= kTolerance);
+  CHECK(max_difference(a, b) > 100 * kTolerance);
+}
+
+TEST_CASE("sliding window: a window as long as the sequence is the full cache, tokens and logits") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const ModelConfig& c = checkpoint.config();
+  CpuBackend backend(test::test_threads());
+  Model model(checkpoint, backend, 0, c.seq_len + 15);  // the ring shows its seq_len + 16 - 1 slots
+  const std::vector<int> prompt = encode_bytes("And God said, Let there be light: and there was light. And God saw");
+  const int new_tokens = test::sanitizer_run() ? 30 : 100;
+  std::vector<std::vector<float>> full_logits, ring_logits;
+  ch03::PreallocatedKvCache full(backend, c, int(prompt.size()) + new_tokens);
+  ch04::SlidingWindowKvCache ring(backend, c, {c.seq_len, 0}, 16);
+  Sampler s1(256, {}), s2(256, {});
+  const Generation a = generate_cached(model, full, s1, prompt, new_tokens, 16, {},
+                                       [&](int, std::span<const float> l) { full_logits.emplace_back(l.begin(), l.end()); });
+  const Generation b = generate_cached(model, ring, s2, prompt, new_tokens, 16, {},
+                                       [&](int, std::span<const float> l) { ring_logits.emplace_back(l.begin(), l.end()); });
+  CHECK(a.tokens == b.tokens);
+  float worst = 0;
+  for (std::size_t s = 0; s < full_logits.size(); ++s) worst = std::max(worst, max_difference(full_logits[s], ring_logits[s]));
+  CHECK(worst <= kTolerance);
+}
+
+TEST_CASE("sliding window: position-tagged keys - each query sees exactly its window, sinks never evicted") {
+  const ModelConfig c{.dim = 8, .hidden_dim = 8, .n_layers = 2, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 4,
+                      .seq_len = 1000};
+  const int kv_dim = c.kv_dim();
+  CpuBackend backend(1);
+  for (int W : {1, 2, 3, 8, 64})
+    for (int sinks : {0, 1, 4}) {
+      if (sinks >= W) continue;
+      CAPTURE(W);
+      CAPTURE(sinks);
+      const Window window{W, sinks};
+      ch04::SlidingWindowKvCache cache(backend, c, window, 1);
+      CHECK(cache.allocated_bytes() == kv_cache_bytes(c, W));  // decode only: exactly W slots
+      std::vector<float> k(kv_dim), v(kv_dim);
+      for (int pos = 0; pos < 3 * W; ++pos) {
+        CAPTURE(pos);
+        cache.prepare(pos, 1);
+        for (int layer = 0; layer < c.n_layers; ++layer) {
+          for (int j = 0; j < kv_dim; ++j) k[j] = float(layer * 100000 + pos * 10 + j), v[j] = -k[j];
+          cache.write(layer, pos, 1, k.data(), v.data());
+        }
+        // The query at `pos` must see exactly the positions key_visible allows, each with its own key.
+        std::set<int> expected, seen;
+        for (int key = 0; key <= pos; ++key)
+          if (key_visible(pos, key, window)) expected.insert(key);
+        for (int layer = 0; layer < c.n_layers; ++layer) {
+          const KvView view = cache.view(layer);
+          seen.clear();
+          for (int r = 0; r < view.rows; ++r) {
+            const int p = view.position_of(r);
+            if (!key_visible(pos, p, view.window)) continue;
+            seen.insert(p);
+            CHECK(view.keys[std::size_t(r) * view.row_stride] == float(layer * 100000 + p * 10));
+            CHECK(view.values[std::size_t(r) * view.row_stride + 1] == -float(layer * 100000 + p * 10 + 1));
+          }
+          CHECK(seen == expected);
+        }
+      }
+    }
+}
+
+TEST_CASE("sliding window: after 10 W tokens the cache is still its slots, and past the context it refuses") {
+  const Checkpoint checkpoint(test::golden_path("gqa.bin"));
+  const ModelConfig& c = checkpoint.config();
+  CpuBackend backend(1);
+  Model model(checkpoint, backend);
+  ch04::SlidingWindowKvCache cache(backend, c, {8, 2}, 4);
+  Sampler sampler(c.vocab_size, {});
+  const std::vector<int> prompt = random_tokens(6, c.vocab_size, 5);
+  generate_cached(model, cache, sampler, prompt, 80, 4);  // 85 positions cached, 10 windows
+  CHECK(cache.length() == 85);
+  CHECK(cache.allocated_bytes() == kv_cache_bytes(c, 8 + 4 - 1));
+  CHECK(cache.resident_bytes() <= cache.allocated_bytes() + 2 * 4096);
+  CHECK_THROWS_WITH(cache.prepare(85, 12), doctest::Contains("calls of at most 4"));
+  CHECK_THROWS_WITH(cache.prepare(84, 1), doctest::Contains("a ring can only append"));
+  CHECK_THROWS_WITH(cache.prepare(85, c.seq_len), doctest::Contains("calls of at most 4"));
+  ch04::SlidingWindowKvCache tail(backend, c, {8, 2}, 1);
+  for (int pos = 0; pos < c.seq_len; ++pos) tail.prepare(pos, 1);
+  CHECK_THROWS_WITH(tail.prepare(c.seq_len, 1), doctest::Contains("past the model's trained context"));
+  CHECK_THROWS_WITH(ch04::SlidingWindowKvCache(backend, c, {4, 4}, 1), doctest::Contains("0 <= sinks < window"));
+}
