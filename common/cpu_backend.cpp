@@ -116,8 +116,11 @@ void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvV
       // A row that no query of the block may see (an empty slot, a row outside the window) must not enter
       // the product below, whatever its bytes. Checked at the block's first and last query: a row only a
       // middle query sees is flagged too, which costs the exact path below, never a wrong result.
+      // A contiguous view with no window needs no check: its rows (cut at the block's last query above)
+      // are all visible to that query.
       bool unseen_row = false;
-      for (int r = 0; r < rows && !unseen_row; ++r)
+      const bool may_hide_rows = kv.row_positions || kv.window.size > 0;
+      for (int r = 0; r < rows && may_hide_rows && !unseen_row; ++r)
         unseen_row = !key_visible(pos + q0 + nq - 1, kv.position_of(r), kv.window) &&
                      !key_visible(pos + q0, kv.position_of(r), kv.window);
       for (int i = 0; i < nq; ++i) {
