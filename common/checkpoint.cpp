@@ -7,10 +7,9 @@
 
 #include <cerrno>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
-#include <fstream>
 
+#include "replacing_file.h"
 #include "rope.h"
 
 namespace kvs {
@@ -183,61 +182,30 @@ void write_checkpoint(const std::string& path, const ModelConfig& c, const HostW
                          c.shared_classifier ? c.vocab_size : -c.vocab_size, c.seq_len};
   validate_header(header, path);
 
-  // Written to a temporary file beside `path`, then renamed over it: a process that has the old file
-  // mapped keeps reading the old file (truncating it in place would kill that process with SIGBUS), and
-  // an interrupted write leaves the old file whole.
-  std::string temp = path + ".XXXXXX";
-  const int fd = ::mkstemp(temp.data());
-  if (fd < 0) {
-    const int error = errno;
-    fail(path, std::string("cannot open for writing: ") + std::strerror(error));
+  // Written beside `path` and renamed over it (replacing_file.h): a process that has the old file mapped
+  // keeps reading it, and an interrupted write leaves it whole.
+  try {
+    ReplacingFile out(path, path);
+    auto put = [&out](const float* data, std::size_t floats) { out.write(data, floats * sizeof(float)); };
+    out.write(header, sizeof header);
+    for (int i = 0; i < 11; ++i) put(tensors[i].tensor.data(), tensors[i].floats);
+    // The two legacy tables llama2.c once read: cos then sin of every (position, pair). Kept for the format.
+    const int pairs = c.head_dim() / 2;
+    std::vector<float> cos_table(std::size_t(c.seq_len) * pairs), sin_table(cos_table.size());
+    for (int pos = 0; pos < c.seq_len; ++pos)
+      for (int p = 0; p < pairs; ++p) {
+        float cs[2];
+        rope_cos_sin(pos, p, c.head_dim(), cs);
+        cos_table[std::size_t(pos) * pairs + p] = cs[0];
+        sin_table[std::size_t(pos) * pairs + p] = cs[1];
+      }
+    put(cos_table.data(), cos_table.size());
+    put(sin_table.data(), sin_table.size());
+    if (!c.shared_classifier) put(w.classifier.data(), w.classifier.size());
+    out.commit();
+  } catch (const std::runtime_error& e) {
+    throw CheckpointError(e.what());  // the message names the file
   }
-  ::close(fd);
-  std::ofstream out(temp, std::ios::binary | std::ios::trunc);
-  if (!out) {
-    const int error = errno;
-    ::unlink(temp.c_str());
-    fail(path, std::string("cannot open for writing: ") + std::strerror(error));
-  }
-  struct RemoveUnlessRenamed {  // a throw below (no memory for the tables) leaves no temporary behind
-    const std::string& file;
-    bool renamed = false;
-    ~RemoveUnlessRenamed() {
-      if (!renamed) ::unlink(file.c_str());
-    }
-  } cleanup{temp};
-  auto put = [&out](const float* data, std::size_t floats) {
-    out.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(floats * sizeof(float)));
-  };
-  out.write(reinterpret_cast<const char*>(header), sizeof header);
-  for (int i = 0; i < 11; ++i) put(tensors[i].tensor.data(), tensors[i].floats);
-  // The two legacy tables llama2.c once read: cos then sin of every (position, pair). Kept for the format.
-  const int pairs = c.head_dim() / 2;
-  std::vector<float> cos_table(std::size_t(c.seq_len) * pairs), sin_table(cos_table.size());
-  for (int pos = 0; pos < c.seq_len; ++pos)
-    for (int p = 0; p < pairs; ++p) {
-      float cs[2];
-      rope_cos_sin(pos, p, c.head_dim(), cs);
-      cos_table[std::size_t(pos) * pairs + p] = cs[0];
-      sin_table[std::size_t(pos) * pairs + p] = cs[1];
-    }
-  put(cos_table.data(), cos_table.size());
-  put(sin_table.data(), sin_table.size());
-  if (!c.shared_classifier) put(w.classifier.data(), w.classifier.size());
-  out.close();
-  if (!out) {
-    const int error = errno;
-    ::unlink(temp.c_str());
-    fail(path, std::string("write failed: ") + std::strerror(error));
-  }
-  const mode_t mask = ::umask(0);  // mkstemp makes the file private; give it the usual permissions
-  ::umask(mask);
-  ::chmod(temp.c_str(), 0666 & ~mask);
-  if (std::rename(temp.c_str(), path.c_str()) != 0) {
-    const int error = errno;
-    fail(path, std::string("cannot replace the file: ") + std::strerror(error));
-  }
-  cleanup.renamed = true;
 }
 
 }  // namespace kvs

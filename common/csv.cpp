@@ -1,16 +1,9 @@
 #include "csv.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
 #include <filesystem>
-#include <stdexcept>
 
 #include "cli.h"
+#include "replacing_file.h"
 
 namespace kvs {
 namespace fs = std::filesystem;
@@ -46,15 +39,8 @@ CsvWriter::CsvWriter(NamedPath output, std::string header, const std::vector<Nam
     : output_(std::move(output)), header_(std::move(header)) {
   if (!enabled()) return;
   check_output_path(output_, others);
-  // Fail now, not after the run, if the folder takes no new file (read-only, /proc, no permission).
-  std::string probe = (fs::absolute(output_.path).parent_path() / ".kvs-probe.XXXXXX").string();
-  const int fd = ::mkstemp(probe.data());
-  if (fd < 0) {
-    const int error = errno;
-    throw std::runtime_error("cannot write " + output_.flag + " " + output_.path + ": " + std::strerror(error));
-  }
-  ::close(fd);
-  ::unlink(probe.c_str());
+  ReplacingFile probe(output_.path, output_.flag + " " + output_.path);  // fails now if the folder takes no
+                                                                          // new file (read-only, /proc)
 }
 
 std::string CsvWriter::quoted(const std::string& text) {
@@ -69,41 +55,10 @@ std::string CsvWriter::quoted(const std::string& text) {
 
 void CsvWriter::commit() {
   if (!enabled()) return;
-  const fs::path target = fs::absolute(output_.path);
-  const std::string content = header_ + '\n' + rows_;  // built first: nothing below allocates
-  std::string name = ".";  // a hidden temporary beside the target: ".out.csv.XXXXXX"
-  name += target.filename().string();
-  name += ".XXXXXX";
-  std::string temp = (target.parent_path() / name).string();
-  auto fail = [&](const std::string& doing, int error) {  // errno saved by the caller, before any cleanup
-    ::unlink(temp.c_str());
-    throw std::runtime_error("cannot write " + output_.flag + " " + output_.path + " (" + doing +
-                             "): " + std::strerror(error));
-  };
-  const int fd = ::mkstemp(temp.data());
-  if (fd < 0) {
-    const int error = errno;
-    throw std::runtime_error("cannot write " + output_.flag + " " + output_.path + ": " + std::strerror(error));
-  }
-  const mode_t mask = ::umask(0);  // mkstemp makes the file private; give it the usual permissions
-  ::umask(mask);
-  if (::fchmod(fd, 0666 & ~mask) != 0) {
-    const int error = errno;
-    ::close(fd);
-    fail("chmod", error);
-  }
-  for (std::size_t done = 0; done < content.size();) {
-    const ssize_t n = ::write(fd, content.data() + done, content.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int error = errno;
-      ::close(fd);
-      fail("write", error);
-    }
-    done += static_cast<std::size_t>(n);
-  }
-  if (::close(fd) != 0) fail("close", errno);
-  if (std::rename(temp.c_str(), target.c_str()) != 0) fail("rename", errno);
+  const std::string content = header_ + '\n' + rows_;
+  ReplacingFile file(output_.path, output_.flag + " " + output_.path);
+  file.write(content.data(), content.size());
+  file.commit();
 }
 
 }  // namespace kvs
