@@ -2,8 +2,15 @@
 // A backend owns memory and runs the operations the forward pass is made of. The model decides what is
 // computed (common/model.cpp); a backend decides how (Eigen on the CPU, CUDA kernels on a GPU). Every
 // pointer passed to an operation is memory of that backend; shapes are row-major.
+//
+// Ordering: operations run in the order they are called. A GPU backend may return before an operation has
+// finished; to_host returns once its data has arrived (so after every earlier operation), and
+// synchronize() waits for everything called so far: a timer must call one of the two before it reads the
+// clock.
 #include <cstddef>
 #include <span>
+#include <stdexcept>
+#include <string>
 
 #include "kv_cache.h"
 
@@ -19,15 +26,24 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
+  // One line for a run's header: the backend, its device or thread count.
+  virtual std::string describe() const = 0;
+  // Whether the backend's memory is host memory a program may read directly (the CPU's; a GPU's is not:
+  // chapters measure resident pages only on the CPU).
+  virtual bool host_memory() const = 0;
 
   // ---- memory ----
   virtual float* allocate(std::size_t floats) = 0;  // uninitialised
   virtual void release(float* p) = 0;
   // Weights the operations can read. The CPU reads the mapped file in place; a GPU copies it over.
   virtual const float* upload_weights(const float* host, std::size_t floats) = 0;
-  virtual void copy(float* dst, const float* src, std::size_t floats) = 0;  // within the backend
+  // Within the backend. The two ranges must not overlap (a GPU copy of overlapping ranges is undefined):
+  // both backends refuse it (check_no_overlap).
+  virtual void copy(float* dst, const float* src, std::size_t floats) = 0;
   virtual void to_host(float* host, const float* src, std::size_t floats) = 0;
   virtual void from_host(float* dst, const float* host, std::size_t floats) = 0;
+  // Returns once every operation called so far has finished (see Ordering above).
+  virtual void synchronize() = 0;
   // Scratch floats attention needs for views of up to max_rows rows (allocated once by the model).
   virtual std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows) const = 0;
 
@@ -51,6 +67,12 @@ class Backend {
   // x (count) += y
   virtual void add(float* x, const float* y, std::size_t count) = 0;
 };
+
+// Throws std::invalid_argument when [dst, dst + floats) and [src, src + floats) overlap.
+inline void check_no_overlap(const float* dst, const float* src, std::size_t floats) {
+  if (floats > 0 && dst < src + floats && src < dst + floats)
+    throw std::invalid_argument("copy: the source and destination ranges overlap");
+}
 
 // Backend memory that frees itself.
 class Buffer {

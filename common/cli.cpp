@@ -1,5 +1,7 @@
 #include "cli.h"
 
+#include "backends.h"
+
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/stat.h>
@@ -170,7 +172,14 @@ void add_common_flags(ArgParser& p, CommonOptions& o, const std::string& default
       return std::string("--top-k and --seed only apply when sampling; add --temperature T (T > 0) or drop them");
     });
   }
+  p.add_string("--backend", "NAME", "cpu (default) or cuda (an NVIDIA GPU, in builds with the CUDA toolkit)", &o.backend);
+  p.add_check([&o] { return backend_unavailable(o.backend); });
   p.add_int("--threads", "CPU threads for matrix products and attention (default: all cores)", &o.threads, 1, 1024);
+  p.add_check([&p, &o] {
+    if (o.backend != "cpu" && p.given("--threads"))
+      return "--threads sets CPU threads; --backend " + o.backend + " does not use it: drop one of the two";
+    return std::string();
+  });
   p.add_check([&o] {
     const int cores = available_cores();
     if (o.threads <= cores) return std::string();

@@ -38,8 +38,13 @@ float* CpuBackend::allocate(std::size_t floats) {
 
 void CpuBackend::release(float* p) { Eigen::internal::aligned_free(p); }
 
+std::string CpuBackend::describe() const {
+  return std::string(name()) + ", " + std::to_string(threads_) + " thread" + (threads_ > 1 ? "s" : "");
+}
+
 void CpuBackend::copy(float* dst, const float* src, std::size_t floats) {
-  if (floats > 0 && dst != src) std::memmove(dst, src, floats * sizeof(float));
+  check_no_overlap(dst, src, floats);
+  if (floats > 0) std::memcpy(dst, src, floats * sizeof(float));
 }
 
 std::size_t CpuBackend::attention_scratch_floats(const AttentionShape& shape, int max_rows) const {

@@ -10,6 +10,8 @@ class CpuBackend final : public Backend {
   // threads: cores for Eigen's matrix products and attention heads (0 = all cores).
   explicit CpuBackend(int threads = 0);
   const char* name() const override { return "cpu (Eigen)"; }
+  std::string describe() const override;
+  bool host_memory() const override { return true; }
   int threads() const { return threads_; }
 
   float* allocate(std::size_t floats) override;
@@ -18,6 +20,7 @@ class CpuBackend final : public Backend {
   void copy(float* dst, const float* src, std::size_t floats) override;
   void to_host(float* host, const float* src, std::size_t floats) override { copy(host, src, floats); }
   void from_host(float* dst, const float* host, std::size_t floats) override { copy(dst, host, floats); }
+  void synchronize() override {}  // every operation has finished when it returns
   std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows) const override;
 
   void embed(float* x, const float* table, std::span<const int> tokens, int dim) override;

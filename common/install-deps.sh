@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages a task needs, only those missing. Usage:
-#   common/install-deps.sh build    # cmake g++ libeigen3-dev doctest-dev     (build, tests, chapters)
+#   common/install-deps.sh build    # cmake g++ libeigen3-dev doctest-dev libboost-context-dev (build, tests)
 #   common/install-deps.sh plots    # python3-matplotlib                        (plots/)
 #   common/install-deps.sh corpus   # python3 bible-kjv                          (data/build_corpus.py)
 #   common/install-deps.sh train    # python3-torch libopenblas0-pthread bible-kjv  (data/: train, golden files)
@@ -10,7 +10,7 @@ set -euo pipefail
 packages=()
 for group in "$@"; do
   case "$group" in
-    build) packages+=(cmake g++ make libeigen3-dev doctest-dev) ;;
+    build) packages+=(cmake g++ make libeigen3-dev doctest-dev libboost-context-dev) ;;
     plots) packages+=(python3 python3-matplotlib) ;;
     corpus) packages+=(python3 bible-kjv) ;;
     train) packages+=(python3 python3-torch python3-numpy libopenblas0-pthread bible-kjv) ;;

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <sstream>
 
+#include "backends.h"
 #include "tokenizer.h"
 
 namespace kvs {
@@ -42,7 +43,9 @@ Runtime::Runtime(const CommonOptions& options, const std::string& default_prompt
       prompt(encode_bytes(resolve_prompt(options, default_prompt))),
       sampling{options.temperature, options.top_k, options.seed},
       memory_limit(options.memory_limit),
-      backend(options.threads),
+      cpu_threads(options.backend == "cpu" ? (options.threads > 0 ? options.threads : available_cores()) : 0),
+      backend_owner(make_backend(options.backend, cpu_threads)),
+      backend(*backend_owner),
       memory(plan_run(options, checkpoint, backend, prompt.size(), fit, longest_sequence)),
       model(checkpoint, backend, memory.positions, memory.positions) {}
 
@@ -75,13 +78,13 @@ void check_memory(const MemoryPlan& plan, std::int64_t limit) {
                    "; use fewer positions or raise --memory-limit");
 }
 
-std::string describe_setup(const Checkpoint& checkpoint, const CpuBackend& backend) {
+std::string describe_setup(const Checkpoint& checkpoint, const Backend& backend) {
   const ModelConfig& c = checkpoint.config();
   std::ostringstream out;
   out << "model " << std::filesystem::path(checkpoint.path()).filename().string() << ": dim " << c.dim << ", "
       << c.n_layers << " layers, " << c.n_heads << " query heads / " << c.n_kv_heads << " KV heads of "
       << c.head_dim() << ", hidden " << c.hidden_dim << ", vocab " << c.vocab_size << ", context " << c.seq_len
-      << "; backend " << backend.name() << ", " << backend.threads() << " thread" << (backend.threads() > 1 ? "s" : "");
+      << "; backend " << backend.describe();
   return out.str();
 }
 

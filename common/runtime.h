@@ -1,5 +1,5 @@
 #pragma once
-// What every chapter sets up the same way: the checkpoint, the CPU backend, the model, the prompt's
+// What every chapter sets up the same way: the checkpoint, the backend (--backend), the model, the prompt's
 // tokens and the sampler, checked against each other - and against --memory-limit - before anything
 // is allocated.
 #include <cstdint>
@@ -9,7 +9,8 @@
 
 #include "checkpoint.h"
 #include "cli.h"
-#include "cpu_backend.h"
+#include "backend.h"
+#include <memory>
 #include "csv.h"
 #include "model.h"
 #include "sampler.h"
@@ -17,7 +18,7 @@
 namespace kvs {
 
 // One line for stderr: model shape, backend and threads.
-std::string describe_setup(const Checkpoint& checkpoint, const CpuBackend& backend);
+std::string describe_setup(const Checkpoint& checkpoint, const Backend& backend);
 
 // The memory a run will use, known before anything is allocated.
 struct MemoryPlan {
@@ -64,7 +65,9 @@ class Runtime {
   std::vector<int> prompt;  // the prompt's tokens (bytes)
   SamplerSettings sampling;
   std::int64_t memory_limit;
-  CpuBackend backend;
+  int cpu_threads;  // the CPU backend's threads; 0 with another backend
+  std::unique_ptr<Backend> backend_owner;
+  Backend& backend;
   MemoryPlan memory;
   Model model;
 };

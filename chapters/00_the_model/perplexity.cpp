@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <iostream>
 
+#include "backends.h"
 #include "cli.h"
 #include "perplexity.h"
 #include "runtime.h"
@@ -32,7 +33,8 @@ int main(int argc, char** argv) {
     if (context > checkpoint.config().seq_len)
       throw kvs::UsageError("--context " + std::to_string(context) + " exceeds the model's context of " +
                             std::to_string(checkpoint.config().seq_len));
-    kvs::CpuBackend backend(options.threads);
+    const std::unique_ptr<kvs::Backend> backend_owner = kvs::make_backend(options.backend, options.threads);
+    kvs::Backend& backend = *backend_owner;
     const kvs::MemoryPlan memory = kvs::plan_memory(checkpoint, backend, context, 0);
     kvs::check_memory(memory, options.memory_limit);
     if (text_path.empty()) text_path = kvs::find_data_file("kjv/valid.txt");

@@ -96,7 +96,8 @@ class GrowingKvCache final : public KvCache {
   std::int64_t bytes_copied() const { return bytes_copied_; }  // old rows copied into new buffers
   std::int64_t capacity_bytes() const { return live_bytes_; }  // K and V of every layer, as allocated
   std::int64_t peak_bytes() const { return peak_bytes_; }      // most bytes alive at once (during a copy)
-  std::int64_t resident_bytes() const {                         // of capacity_bytes(), the pages in memory now
+  std::int64_t resident_bytes() const {  // of capacity_bytes(), the pages in memory now; -1 on a GPU
+    if (!backend_.host_memory()) return -1;
     std::int64_t total = 0;
     for (const auto* buffers : {&keys_, &values_})
       for (const Buffer& b : *buffers) total += kvs::resident_bytes(b.data(), b.size() * sizeof(float));

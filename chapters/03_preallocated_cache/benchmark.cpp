@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
       "cache (chapter 03), greedy, on the same prompt (the start of the validation text). Each method runs once\n"
       "untimed first (warm-up), then --repeats times; TTFT and decode times are medians over the runs.\nA prompt length that leaves no room for the new tokens within the model's\n"
       "context is shortened to context - new tokens. Prints a table with speedups relative to naive.\n"
-      "CSV (--csv): method, prompt_tokens, ttft_ms, decode_ms_median, decode_steps, cache_bytes, threads.\n"
+      "CSV (--csv): method, prompt_tokens, ttft_ms, decode_ms_median, decode_steps, cache_bytes, threads (0 on a GPU).\n"
       "--memory-csv: method, positions, allocated_bytes, resident_bytes, analytic_bytes: at the end of a run,\n"
       "the bytes the cache allocated, those physically in memory (pages written, measured with mincore), and\n"
       "the formula's bytes for the positions held.");
@@ -145,7 +145,7 @@ int main(int argc, char** argv) {
         rows.push_back({method, prompt_len, ttft, decode, new_tokens - 1, cache_bytes});
         std::fprintf(stderr, "  prompt %5d  %-12s ttft %9.2f ms  decode %9.4f ms/token%s\n", prompt_len, method.c_str(),
                      ttft, decode, same ? "" : "  (tokens differ from naive!)");
-        csv.row(method, prompt_len, ttft, decode, new_tokens - 1, cache_bytes, rt.backend.threads());
+        csv.row(method, prompt_len, ttft, decode, new_tokens - 1, cache_bytes, rt.cpu_threads);
         csv.commit();
         if (method != "naive") {
           mem_csv.row(method, prompt_len + new_tokens, cache_bytes, resident_bytes,
@@ -155,8 +155,8 @@ int main(int argc, char** argv) {
       }
     }
 
-    std::fprintf(stderr, "\ndecode ms/token (speedup vs naive) and time to first token, %d thread%s\n",
-                 rt.backend.threads(), rt.backend.threads() > 1 ? "s" : "");
+    std::fprintf(stderr, "\ndecode ms/token (speedup vs naive) and time to first token, %s\n",
+                 rt.backend.describe().c_str());
     std::fprintf(stderr, "%7s %10s %20s %20s %20s %12s %12s\n", "prompt", "naive", "concatenate", "chunked",
                  "preallocated", "prealloc vs", "TTFT ms");
     std::fprintf(stderr, "%7s %10s %20s %20s %20s %12s %12s\n", "", "", "", "", "", "concatenate", "(prealloc)");

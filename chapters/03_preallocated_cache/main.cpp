@@ -120,8 +120,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "  allocated by the cache: %lld bytes (%s the formula)\n",
                  static_cast<long long>(cache.allocated_bytes()), cache.allocated_bytes() == analytic ? "equal to" : "NOT equal to");
     const std::int64_t resident = cache.resident_bytes();
-    std::fprintf(stderr, "  resident in memory (pages written, measured with mincore): %lld bytes (%s)\n",
-                 static_cast<long long>(resident), kvs::format_bytes(double(resident)).c_str());
+    if (resident >= 0)
+      std::fprintf(stderr, "  resident in memory (pages written, measured with mincore): %lld bytes (%s)\n",
+                   static_cast<long long>(resident), kvs::format_bytes(double(resident)).c_str());
+    else
+      std::fprintf(stderr, "  resident in memory: not measured (the cache is in GPU memory)\n");
     std::fprintf(stderr, "  peak RSS growth during the run: %s (pages are only backed when first written)\n",
                  kvs::format_bytes(std::max(0L, rss_growth)).c_str());
     kvs::ch03::print_memory_comparison(c, budget);

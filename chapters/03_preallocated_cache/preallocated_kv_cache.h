@@ -56,7 +56,11 @@ class PreallocatedKvCache final : public KvCache {
   int max_positions() const { return max_positions_; }
   std::int64_t allocated_bytes() const { return std::int64_t(storage_.size()) * sizeof(float); }
   // Of those, the bytes physically in memory now: the pages written so far (see resident_memory.h).
-  std::int64_t resident_bytes() const { return kvs::resident_bytes(storage_.data(), storage_.size() * sizeof(float)); }
+  // -1 when the cache is not in host memory (a GPU's pages are not the operating system's to count).
+  std::int64_t resident_bytes() const {
+    if (!backend_.host_memory()) return -1;
+    return kvs::resident_bytes(storage_.data(), storage_.size() * sizeof(float));
+  }
 
  private:
   // Offset of a layer's keys (kv = 0) or values (kv = 1): a (max_positions, kv_dim) block.

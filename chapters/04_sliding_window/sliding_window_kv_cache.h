@@ -74,7 +74,11 @@ class SlidingWindowKvCache final : public KvCache {
   int slots() const { return ring_.slots; }
   const Window& window() const { return window_; }
   std::int64_t allocated_bytes() const { return std::int64_t(storage_.size()) * sizeof(float); }
-  std::int64_t resident_bytes() const { return kvs::resident_bytes(storage_.data(), storage_.size() * sizeof(float)); }
+  // -1 when the cache is not in host memory (a GPU's pages are not the operating system's to count).
+  std::int64_t resident_bytes() const {
+    if (!backend_.host_memory()) return -1;
+    return kvs::resident_bytes(storage_.data(), storage_.size() * sizeof(float));
+  }
 
  private:
   static Window check(Window window, int max_tokens_per_call) {

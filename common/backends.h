@@ -1,0 +1,19 @@
+#pragma once
+// Choosing a backend by name (--backend): "cpu" in every build, "cuda" in builds with nvcc.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+
+namespace kvs {
+
+// The backends this build has, "cpu" first.
+std::vector<std::string> built_backends();
+// Why `name` cannot be used in this build (one line naming what to do instead), or empty.
+std::string backend_unavailable(const std::string& name);
+// A backend by name; `cpu_threads` only for the CPU (0 = every core). Throws std::runtime_error when the
+// backend cannot start (no CUDA device: "no CUDA device found ...; run with --backend cpu").
+std::unique_ptr<Backend> make_backend(const std::string& name, int cpu_threads);
+
+}  // namespace kvs

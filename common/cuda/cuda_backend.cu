@@ -1,0 +1,313 @@
+// The CUDA backend: the operations of backend.h as CUDA kernels, matrix products through cuBLAS (behind
+// blas.h's one function). The same file is compiled twice: by nvcc into the GPU backend, and by g++ with
+// KVS_CUDA_HARNESS into a backend whose kernels run on the CPU through the CUDA harness (tests).
+//
+// Memory layout: every tensor row-major fp32, as backend.h states; a KvView's rows are `row_stride`
+// floats apart with the KV heads side by side in a row (chapter 03's layout). Every kernel below states
+// its launch geometry. Kernels that reduce across a warp need whole warps: their block sizes are multiples
+// of 32.
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_support.h"
+#include "backend.h"
+#include "cuda/cuda_backend.h"
+#include "kv_cache.h"
+#include "rope.h"
+
+#if defined(KVS_CUDA_HARNESS)
+#include "cuda/harness/blas_harness.h"
+#else
+#include "cuda/blas_cublas.h"
+#endif
+
+namespace kvs {
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kWarp = 32;
+constexpr float kRmsEps = 1e-5f;  // as the CPU backend and llama2.c
+
+// ---- kernels ----
+
+// Sum of v over the 32 lanes of the calling warp, in every lane.
+__device__ float warp_sum(float v) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
+// Sum of v over the block, in every thread. blockDim.x: a multiple of 32, at most 1024. Every thread of the
+// block must call it (it holds two barriers).
+__device__ float block_sum(float v) {
+  __shared__ float warp_sums[32];
+  __shared__ float total;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  v = warp_sum(v);
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float s = lane < warps ? warp_sums[lane] : 0.0f;
+    s = warp_sum(s);
+    if (lane == 0) total = s;
+  }
+  __syncthreads();
+  return total;
+}
+
+// x (n, dim) = table[tokens[i]] rows. Grid (n), block 256: block i copies row i, its threads stride over dim.
+__global__ void embed_kernel(float* x, const float* table, const int* tokens, int dim) {
+  const std::size_t i = blockIdx.x;
+  const float* row = table + std::size_t(tokens[i]) * dim;
+  for (int d = threadIdx.x; d < dim; d += blockDim.x) x[i * dim + d] = row[d];
+}
+
+// out (n, dim) = x / sqrt(mean(x²) + eps) ⊙ weight. Grid (n), block 256 (a multiple of 32): block i owns
+// row i; its threads stride over dim for the sum of squares, then for the output.
+__global__ void rmsnorm_kernel(float* out, const float* x, const float* weight, int dim) {
+  const std::size_t row = std::size_t(blockIdx.x) * dim;
+  float squares = 0.0f;
+  for (int d = threadIdx.x; d < dim; d += blockDim.x) squares += x[row + d] * x[row + d];
+  const float inv_rms = 1.0f / sqrtf(block_sum(squares) / dim + kRmsEps);
+  for (int d = threadIdx.x; d < dim; d += blockDim.x) out[row + d] = x[row + d] * inv_rms * weight[d];
+}
+
+// table (n, head_dim/2, 2) = [cos, sin] of positions pos .. pos + n - 1: rope.h's one definition. Grid
+// (ceil(n · pairs / 256)), block 256: one thread per (position, pair).
+__global__ void rope_table_kernel(float* table, int pos, int n, int head_dim) {
+  const int pairs = head_dim / 2;
+  const int index = blockIdx.x * blockDim.x + threadIdx.x;
+  if (index >= n * pairs) return;
+  rope_cos_sin(pos + index / pairs, index % pairs, head_dim, table + std::size_t(index) * 2);
+}
+
+// Rotates x (n, heads, head_dim) in place. Grid (ceil(n · heads · pairs / 256)), block 256: one thread per
+// (position, head, pair).
+__global__ void rope_kernel(float* x, const float* table, int n, int heads, int head_dim) {
+  const int pairs = head_dim / 2;
+  const long index = long(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (index >= long(n) * heads * pairs) return;
+  const long i = index / (long(heads) * pairs), pair = index % pairs;  // position and pair; the head between
+  rope_rotate(x + index * 2, table + (i * pairs + pair) * 2);
+}
+
+// Attention of one query head over the view, with an online softmax (no score buffer: the running maximum,
+// sum and weighted values are rescaled as larger scores arrive), so any number of rows needs no scratch.
+//   out (n, n_heads · head_dim), q (n, n_heads · head_dim) at positions pos .. pos + n - 1.
+// Grid (n_heads, n), block kAttentionWarps · 32: block (h, i) computes query i's head h. Warp w visits rows
+// w, w + kAttentionWarps, ...; a row that key_visible hides is skipped whole (its keys and values are
+// never read, so an empty slot's bytes, NaN included, cannot leak in). Within a row, lane l holds the
+// elements l, l + 32, ... of q, k, v (head_dim <= kMaxHeadDim). At the end the warps' partial results are
+// merged through shared memory.
+constexpr int kAttentionWarps = 4;
+constexpr int kMaxHeadDim = 256;
+constexpr int kPerLane = kMaxHeadDim / kWarp;
+
+__global__ void __launch_bounds__(kAttentionWarps * kWarp)
+    attention_kernel(float* out, const float* q, int pos, KvView kv, int n_heads, int group, int head_dim) {
+  __shared__ float warp_max[kAttentionWarps];
+  __shared__ float warp_total[kAttentionWarps];
+  __shared__ float warp_values[kAttentionWarps][kMaxHeadDim];
+  const int h = blockIdx.x, i = blockIdx.y;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int query_pos = pos + i, kv_offset = (h / group) * head_dim, dim = n_heads * head_dim;
+  const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));
+  const float minus_inf = -INFINITY;
+
+  float query[kPerLane], values[kPerLane];
+  for (int j = 0; j < kPerLane; ++j) {
+    const int d = lane + j * kWarp;
+    query[j] = d < head_dim ? q[std::size_t(i) * dim + h * head_dim + d] : 0.0f;
+    values[j] = 0.0f;
+  }
+  float running_max = minus_inf, total = 0.0f;
+  for (int r = warp; r < kv.rows; r += kAttentionWarps) {
+    if (!key_visible(query_pos, kv.position_of(r), kv.window)) continue;  // the same r in every lane
+    const float* key = kv.keys + std::size_t(r) * kv.row_stride + kv_offset;
+    const float* value = kv.values + std::size_t(r) * kv.row_stride + kv_offset;
+    float dot = 0.0f;
+    for (int j = 0; j < kPerLane; ++j) {
+      const int d = lane + j * kWarp;
+      if (d < head_dim) dot += query[j] * key[d];
+    }
+    const float score = warp_sum(dot) * scale;
+    const float new_max = fmaxf(running_max, score);
+    const float rescale = expf(running_max - new_max);  // 0 for the first visible row
+    const float weight = expf(score - new_max);
+    total = total * rescale + weight;
+    for (int j = 0; j < kPerLane; ++j) {
+      const int d = lane + j * kWarp;
+      if (d < head_dim) values[j] = values[j] * rescale + weight * value[d];
+    }
+    running_max = new_max;
+  }
+  if (lane == 0) warp_max[warp] = running_max, warp_total[warp] = total;
+  for (int j = 0; j < kPerLane; ++j) {
+    const int d = lane + j * kWarp;
+    if (d < head_dim) warp_values[warp][d] = values[j];
+  }
+  __syncthreads();
+  float block_max = minus_inf, block_total = 0.0f;
+  for (int w = 0; w < kAttentionWarps; ++w) block_max = fmaxf(block_max, warp_max[w]);
+  for (int w = 0; w < kAttentionWarps; ++w)
+    if (warp_max[w] != minus_inf) block_total += warp_total[w] * expf(warp_max[w] - block_max);
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float o = 0.0f;
+    for (int w = 0; w < kAttentionWarps; ++w)
+      if (warp_max[w] != minus_inf) o += warp_values[w][d] * expf(warp_max[w] - block_max);
+    // Nothing visible (only a deliberately broken cache gets here): 0, as the CPU backend.
+    out[std::size_t(i) * dim + h * head_dim + d] = block_total > 0.0f ? o / block_total : 0.0f;
+  }
+}
+
+// gate (count) = silu(gate) ⊙ up. Grid (min(ceil(count / 256), kMaxBlocks)), block 256, grid-stride loop.
+__global__ void swiglu_kernel(float* gate, const float* up, std::size_t count) {
+  for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += std::size_t(gridDim.x) * blockDim.x) {
+    const float g = gate[i];
+    gate[i] = g / (1.0f + expf(-g)) * up[i];
+  }
+}
+
+// x (count) += y. Grid and block as swiglu_kernel.
+__global__ void add_kernel(float* x, const float* y, std::size_t count) {
+  for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += std::size_t(gridDim.x) * blockDim.x)
+    x[i] += y[i];
+}
+
+// ---- the backend ----
+
+constexpr int kThreads = 256;
+constexpr unsigned kMaxBlocks = 4096;
+
+unsigned blocks_for(std::size_t count) {
+  return static_cast<unsigned>(std::min<std::size_t>((count + kThreads - 1) / kThreads, kMaxBlocks));
+}
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(std::string name) : name_(std::move(name)) {}
+  ~CudaBackend() override {
+    for (float* w : weights_) cudaFree(w);
+    cudaFree(tokens_);
+    cudaFree(row_positions_);
+  }
+  const char* name() const override { return name_.c_str(); }
+  std::string describe() const override { return name_; }
+  bool host_memory() const override { return false; }
+
+  float* allocate(std::size_t floats) override {
+    float* p = nullptr;
+    if (cudaMalloc(&p, std::max<std::size_t>(floats, 1) * sizeof(float)) != cudaSuccess) {
+      cudaGetLastError();  // clear the error so later calls do not report it
+      throw std::runtime_error("cannot allocate " + std::to_string(floats * sizeof(float)) +
+                               " bytes of GPU memory; use fewer positions or a smaller model");
+    }
+    return p;
+  }
+  void release(float* p) override { KVS_CUDA_CHECK(cudaFree(p)); }
+  const float* upload_weights(const float* host, std::size_t floats) override {
+    float* device = allocate(floats);
+    weights_.push_back(device);
+    from_host(device, host, floats);
+    return device;
+  }
+  void copy(float* dst, const float* src, std::size_t floats) override {
+    check_no_overlap(dst, src, floats);
+    if (floats) KVS_CUDA_CHECK(cudaMemcpy(dst, src, floats * sizeof(float), cudaMemcpyDeviceToDevice));
+  }
+  void to_host(float* host, const float* src, std::size_t floats) override {
+    if (floats) KVS_CUDA_CHECK(cudaMemcpy(host, src, floats * sizeof(float), cudaMemcpyDeviceToHost));
+  }
+  void from_host(float* dst, const float* host, std::size_t floats) override {
+    if (floats) KVS_CUDA_CHECK(cudaMemcpy(dst, host, floats * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  void synchronize() override { KVS_CUDA_CHECK(cudaDeviceSynchronize()); }
+  std::size_t attention_scratch_floats(const AttentionShape&, int) const override { return 0; }
+
+  void embed(float* x, const float* table, std::span<const int> tokens, int dim) override {
+    const int* device_tokens = to_device(tokens_, tokens_capacity_, tokens.data(), tokens.size());
+    KVS_LAUNCH(embed_kernel, dim3(static_cast<unsigned>(tokens.size())), dim3(kThreads), 0, nullptr, x, table,
+               device_tokens, dim);
+  }
+  void matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) override {
+    blas_.matmul_rows(out, x, w, n, d_in, d_out);
+  }
+  void rmsnorm(float* out, const float* x, const float* weight, int n, int dim) override {
+    KVS_LAUNCH(rmsnorm_kernel, dim3(n), dim3(kThreads), 0, nullptr, out, x, weight, dim);
+  }
+  void rope_table(float* table, int pos, int n, int head_dim) override {
+    KVS_LAUNCH(rope_table_kernel, dim3(blocks_for(std::size_t(n) * head_dim / 2)), dim3(kThreads), 0, nullptr, table,
+               pos, n, head_dim);
+  }
+  void rope(float* x, const float* table, int n, int heads, int head_dim) override {
+    const std::size_t threads = std::size_t(n) * heads * head_dim / 2;
+    KVS_LAUNCH(rope_kernel, dim3(static_cast<unsigned>((threads + kThreads - 1) / kThreads)), dim3(kThreads), 0, nullptr,
+               x, table, n, heads, head_dim);
+  }
+  void attention(float* out, const float* q, int pos, int n, const KvView& kv, const AttentionShape& shape,
+                 std::span<float>) override {
+    if (shape.head_dim > kMaxHeadDim)
+      throw std::invalid_argument("attention: head_dim " + std::to_string(shape.head_dim) +
+                                  " is larger than the CUDA kernel's " + std::to_string(kMaxHeadDim));
+    KvView device_view = kv;
+    // Per-row positions live in host memory today (a cache's bookkeeping): the kernel reads a copy.
+    if (kv.row_positions)
+      device_view.row_positions = to_device(row_positions_, row_positions_capacity_, kv.row_positions, kv.rows);
+    KVS_LAUNCH(attention_kernel, dim3(shape.n_heads, n), dim3(kAttentionWarps * kWarp), 0, nullptr, out, q, pos,
+               device_view, shape.n_heads, shape.n_heads / shape.n_kv_heads, shape.head_dim);
+  }
+  void swiglu(float* gate, const float* up, std::size_t count) override {
+    KVS_LAUNCH(swiglu_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, nullptr, gate, up, count);
+  }
+  void add(float* x, const float* y, std::size_t count) override {
+    KVS_LAUNCH(add_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, nullptr, x, y, count);
+  }
+
+ private:
+  // Copies `count` ints from the host into a device buffer that grows when a call needs more (a prompt
+  // longer than any before; never during decoding).
+  const int* to_device(int*& buffer, std::size_t& capacity, const int* host, std::size_t count) {
+    if (count > capacity) {
+      KVS_CUDA_CHECK(cudaFree(buffer));
+      buffer = nullptr;
+      KVS_CUDA_CHECK(cudaMalloc(&buffer, count * sizeof(int)));
+      capacity = count;
+    }
+    if (count) KVS_CUDA_CHECK(cudaMemcpy(buffer, host, count * sizeof(int), cudaMemcpyHostToDevice));
+    return buffer;
+  }
+
+  std::string name_;
+  Blas blas_;
+  std::vector<float*> weights_;
+  int* tokens_ = nullptr;
+  std::size_t tokens_capacity_ = 0;
+  int* row_positions_ = nullptr;
+  std::size_t row_positions_capacity_ = 0;
+};
+
+}  // namespace
+
+#if defined(KVS_CUDA_HARNESS)
+std::unique_ptr<Backend> make_cuda_harness_backend() {
+  return std::make_unique<CudaBackend>("cuda kernels on the CPU (CUDA harness, for tests; never time it)");
+}
+#else
+std::unique_ptr<Backend> make_cuda_backend() {
+  int devices = 0;
+  const cudaError_t error = cudaGetDeviceCount(&devices);
+  if (error != cudaSuccess || devices == 0) {
+    cudaGetLastError();
+    throw std::runtime_error(std::string("no CUDA device found (") +
+                             (error != cudaSuccess ? cudaGetErrorString(error) : "the driver reports none") +
+                             "); run with --backend cpu");
+  }
+  cudaDeviceProp properties{};
+  KVS_CUDA_CHECK(cudaGetDeviceProperties(&properties, 0));
+  return std::make_unique<CudaBackend>(std::string("cuda (") + properties.name + ", cuBLAS)");
+}
+#endif
+
+}  // namespace kvs

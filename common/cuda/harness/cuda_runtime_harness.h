@@ -1,0 +1,191 @@
+#pragma once
+// The CUDA harness: runs the project's CUDA source (.cu files, unchanged) on the CPU, compiled by g++, so
+// that kernels really execute on machines without a GPU (CI, most readers) and under AddressSanitizer.
+//
+// What it models:
+//   - a launch runs every block of the grid, one block after another; each thread of a block is a
+//     user-space context (Boost.Context fibers) on one OS thread, so __syncthreads() and the warp
+//     operations have their real semantics: a thread stops there until the others arrive;
+//   - threadIdx / blockIdx / blockDim / gridDim; static __shared__ memory (one copy per kernel, which is
+//     per block because blocks run one at a time; it keeps the previous block's bytes) and dynamic shared
+//     memory (KVS_DYNAMIC_SHARED, filled with NaN bytes at the start of every block so a read before a
+//     write shows);
+//   - warps of 32 lanes: __shfl_sync / _up / _down / _xor, __ballot_sync, __any_sync, __all_sync and
+//     __syncwarp, with their masks honoured: every lane named in a mask must make the same call with the
+//     same mask, and a shuffle may read only a lane of its mask;
+//   - atomics (trivially: one thread runs at a time);
+//   - the runtime calls the backend uses (cudaMalloc, cudaMemcpy, ...), on host memory.
+// Errors it reports, naming the kernel: a __syncthreads() that some threads of the block never reach (they
+// exited or wait elsewhere), a warp operation that a lane of its mask never joins or joins with another
+// mask, a shuffle reading a lane outside its mask. A deadlock is reported, never a hang.
+// KVS_CUDA_HARNESS_ORDER=sequential (default) | reverse | random:SEED sets the order in which the threads
+// of a block run between two synchronisation points: a missing barrier shows as a wrong result under
+// some order.
+//
+// What it does not model: separate host and device memory (a host pointer passed to a kernel works here
+// and faults on a GPU), asynchronous streams and events (everything runs at the call, in order), any
+// notion of performance (never time anything here), warp-synchronous code without *_sync operations
+// (lanes here run independently between synchronisation points), memory-ordering subtleties, and
+// floating-point differences between the GPU's and the CPU's maths functions (exp, rsqrt, fused
+// multiply-add contraction).
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <functional>
+#include <string>
+#include <type_traits>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+// One copy per kernel function: blocks run one at a time, so this is the block's shared memory.
+#define __shared__ static
+
+struct uint3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+// Set by the scheduler before it resumes a thread.
+extern thread_local uint3 threadIdx;
+extern thread_local uint3 blockIdx;
+extern thread_local dim3 blockDim;
+extern thread_local dim3 gridDim;
+inline constexpr int warpSize = 32;
+
+namespace kvs::cuda_harness {
+
+// Runs `body` (which calls the kernel) for every thread of every block; throws std::runtime_error naming
+// `kernel` on a launch error or a synchronisation error.
+void launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes,
+            const std::function<void()>& body);
+// The order in which the threads of a block run between synchronisation points: "sequential", "reverse"
+// or "random:SEED" (what KVS_CUDA_HARNESS_ORDER sets at the first launch). Throws on another value.
+void set_thread_order(const std::string& order);
+// The calling block's dynamic shared memory.
+void* dynamic_shared_memory();
+
+// Block barrier.
+void syncthreads();
+// A warp operation of the calling lane: waits until every lane of `mask` made the same call with the same
+// mask. kind: what the call is (for the error messages and to check lanes agree).
+enum class WarpOp { kShuffle, kVote, kSync };
+// Shuffle: returns the value `source_lane` passed (this lane's own when source_lane is itself).
+std::uint64_t warp_shuffle(unsigned mask, std::uint64_t value, int source_lane);
+// Vote: returns the ballot of `predicate` over the lanes of mask.
+unsigned warp_ballot(unsigned mask, bool predicate);
+void warp_sync(unsigned mask);
+int lane_id();
+
+template <class T>
+std::uint64_t to_bits(T value) {
+  static_assert(sizeof(T) <= sizeof(std::uint64_t) && std::is_trivially_copyable_v<T>);
+  std::uint64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(T));
+  return bits;
+}
+template <class T>
+T from_bits(std::uint64_t bits) {
+  T value;
+  std::memcpy(&value, &bits, sizeof(T));
+  return value;
+}
+// The first lane of the caller's segment of `width` lanes (width: a power of two up to 32).
+inline int segment_base(int lane, int width) { return lane & ~(width - 1); }
+
+}  // namespace kvs::cuda_harness
+
+inline void __syncthreads() { kvs::cuda_harness::syncthreads(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { kvs::cuda_harness::warp_sync(mask); }
+
+template <class T>
+T __shfl_sync(unsigned mask, T var, int src_lane, int width = warpSize) {
+  namespace h = kvs::cuda_harness;
+  const int lane = h::lane_id();
+  const int source = h::segment_base(lane, width) + (src_lane & (width - 1));
+  return h::from_bits<T>(h::warp_shuffle(mask, h::to_bits(var), source));
+}
+template <class T>
+T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = warpSize) {
+  namespace h = kvs::cuda_harness;
+  const int lane = h::lane_id();
+  const int in_segment = (lane & (width - 1)) + static_cast<int>(delta);
+  const int source = in_segment < width ? lane + static_cast<int>(delta) : lane;
+  return h::from_bits<T>(h::warp_shuffle(mask, h::to_bits(var), source));
+}
+template <class T>
+T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = warpSize) {
+  namespace h = kvs::cuda_harness;
+  const int lane = h::lane_id();
+  const int source = (lane & (width - 1)) >= static_cast<int>(delta) ? lane - static_cast<int>(delta) : lane;
+  return h::from_bits<T>(h::warp_shuffle(mask, h::to_bits(var), source));
+}
+template <class T>
+T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = warpSize) {
+  namespace h = kvs::cuda_harness;
+  const int lane = h::lane_id();
+  const int target = lane ^ lane_mask;
+  const int source = target < h::segment_base(lane, width) + width ? target : lane;
+  return h::from_bits<T>(h::warp_shuffle(mask, h::to_bits(var), source));
+}
+inline unsigned __ballot_sync(unsigned mask, int predicate) {
+  return kvs::cuda_harness::warp_ballot(mask, predicate != 0);
+}
+inline int __any_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) != 0; }
+inline int __all_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) == mask; }
+
+// One thread runs at a time: atomics are plain read-modify-writes.
+template <class T>
+T atomicAdd(T* address, T value) {
+  const T old = *address;
+  *address = old + value;
+  return old;
+}
+template <class T>
+T atomicMax(T* address, T value) {
+  const T old = *address;
+  *address = old < value ? value : old;
+  return old;
+}
+
+// The maths intrinsics the kernels use, as the C library computes them.
+inline float __expf(float x) { return std::exp(x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+template <class T>
+T __ldg(const T* p) {
+  return *p;
+}
+
+// ---- the runtime API, on host memory ----
+enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorMemoryAllocation = 2, cudaErrorNoDevice = 100 };
+enum cudaMemcpyKind {
+  cudaMemcpyHostToHost = 0,
+  cudaMemcpyHostToDevice = 1,
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4
+};
+struct CUstream_st;
+using cudaStream_t = CUstream_st*;
+
+cudaError_t cudaMalloc(void** pointer, std::size_t bytes);
+template <class T>
+cudaError_t cudaMalloc(T** pointer, std::size_t bytes) {
+  return cudaMalloc(reinterpret_cast<void**>(pointer), bytes);
+}
+cudaError_t cudaFree(void* pointer);
+cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind);
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, cudaStream_t stream = nullptr);
+cudaError_t cudaMemset(void* dst, int value, std::size_t bytes);
+cudaError_t cudaDeviceSynchronize();
+cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+cudaError_t cudaGetLastError();
+cudaError_t cudaGetDeviceCount(int* count);
+const char* cudaGetErrorString(cudaError_t error);

@@ -1,0 +1,437 @@
+// The CUDA harness's scheduler: every thread of a block is a Boost.Context fiber; a thread runs until it
+// reaches a synchronisation point (__syncthreads, a warp operation) or ends, and the scheduler releases a
+// synchronisation point once every thread it needs has arrived - or reports why it never can.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <boost/context/fiber.hpp>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cuda_runtime_harness.h"
+
+thread_local uint3 threadIdx;
+thread_local uint3 blockIdx;
+thread_local dim3 blockDim;
+thread_local dim3 gridDim;
+
+#if defined(__SANITIZE_ADDRESS__)
+// AddressSanitizer must be told when the stack changes under it (declared by hand: g++ ships no sanitizer
+// headers).
+extern "C" void __sanitizer_start_switch_fiber(void** fake_stack_save, const void* bottom, std::size_t size);
+extern "C" void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_old, std::size_t* size_old);
+#endif
+
+namespace kvs::cuda_harness {
+namespace ctx = boost::context;
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr int kMaxThreadsPerBlock = 1024;
+constexpr std::size_t kMaxDynamicShared = 227 * 1024;  // an H100's per-block limit
+#if defined(__SANITIZE_ADDRESS__)
+constexpr std::size_t kStackBytes = 512 * 1024;  // ASan's redzones make frames larger
+#else
+constexpr std::size_t kStackBytes = 128 * 1024;
+#endif
+
+// Fiber stacks, mapped once and reused by every launch; the lowest page of each is a guard page, so a
+// kernel that overflows its stack faults instead of corrupting a neighbour.
+class StackPool {
+ public:
+  ~StackPool() {
+    for (void* base : free_) munmap(base, kStackBytes);
+  }
+  ctx::stack_context allocate() {
+    void* base;
+    if (!free_.empty()) {
+      base = free_.back();
+      free_.pop_back();
+    } else {
+      base = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (base == MAP_FAILED) throw std::runtime_error("CUDA harness: cannot map a thread stack");
+      mprotect(base, static_cast<std::size_t>(sysconf(_SC_PAGESIZE)), PROT_NONE);
+    }
+    ctx::stack_context stack;
+    stack.size = kStackBytes;
+    stack.sp = static_cast<char*>(base) + kStackBytes;
+    return stack;
+  }
+  void deallocate(ctx::stack_context& stack) { free_.push_back(static_cast<char*>(stack.sp) - kStackBytes); }
+
+ private:
+  std::vector<void*> free_;
+};
+
+StackPool& stack_pool() {
+  static StackPool pool;
+  return pool;
+}
+
+struct PooledStack {
+  ctx::stack_context allocate() { return stack_pool().allocate(); }
+  void deallocate(ctx::stack_context& stack) { stack_pool().deallocate(stack); }
+};
+
+enum class State { kReady, kAtBarrier, kAtWarpOp, kDone };
+
+const char* state_name(State s) {
+  switch (s) {
+    case State::kReady: return "running";
+    case State::kAtBarrier: return "waiting at __syncthreads()";
+    case State::kAtWarpOp: return "waiting at a warp operation";
+    case State::kDone: return "exited";
+  }
+  return "?";
+}
+const char* op_name(WarpOp op) {
+  switch (op) {
+    case WarpOp::kShuffle: return "a shuffle";
+    case WarpOp::kVote: return "a vote";
+    case WarpOp::kSync: return "__syncwarp";
+  }
+  return "?";
+}
+
+struct Thread {
+  ctx::fiber fiber;      // the thread, while it is suspended
+  ctx::fiber scheduler;  // where the thread returns to, while it runs
+  uint3 index;
+  State state = State::kReady;
+  // The warp operation it waits at.
+  WarpOp op = WarpOp::kSync;
+  unsigned mask = 0;
+  std::uint64_t value = 0;
+  int source_lane = 0;
+  std::uint64_t result = 0;
+#if defined(__SANITIZE_ADDRESS__)
+  void* fake_stack = nullptr;
+  const void* stack_bottom = nullptr;
+  std::size_t stack_size = 0;
+#endif
+};
+
+enum class Order { kSequential, kReverse, kRandom };
+
+class Scheduler {
+ public:
+  Scheduler() {
+    const char* order = std::getenv("KVS_CUDA_HARNESS_ORDER");
+    set_order(order ? order : "sequential");
+  }
+  void set_order(const std::string& s) {
+    if (s == "sequential") {
+      order_ = Order::kSequential;
+    } else if (s == "reverse") {
+      order_ = Order::kReverse;
+    } else if (s.rfind("random:", 0) == 0) {
+      order_ = Order::kRandom;
+      random_.seed(std::strtoul(s.c_str() + 7, nullptr, 10));
+    } else {
+      throw std::runtime_error("KVS_CUDA_HARNESS_ORDER='" + s + "': use sequential, reverse or random:SEED");
+    }
+  }
+
+  void launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared,
+              const std::function<void()>& body) {
+    kernel_ = kernel;
+    const long threads = long(block.x) * block.y * block.z;
+    if (threads < 1 || threads > kMaxThreadsPerBlock)
+      fail("a block of " + std::to_string(threads) + " threads (1 to " + std::to_string(kMaxThreadsPerBlock) + " allowed)");
+    if (long(grid.x) * grid.y * grid.z < 1) fail("an empty grid");
+    if (dynamic_shared > kMaxDynamicShared)
+      fail(std::to_string(dynamic_shared) + " bytes of dynamic shared memory (at most " +
+           std::to_string(kMaxDynamicShared) + ")");
+    gridDim = grid;
+    blockDim = block;
+    for (unsigned z = 0; z < grid.z; ++z)
+      for (unsigned y = 0; y < grid.y; ++y)
+        for (unsigned x = 0; x < grid.x; ++x) {
+          blockIdx = uint3{x, y, z};
+          // Fresh bytes per block, NaN when read as floats: shared memory starts undefined on a GPU.
+          shared_.reset(dynamic_shared ? new unsigned char[dynamic_shared] : nullptr);
+          if (dynamic_shared) std::memset(shared_.get(), 0xff, dynamic_shared);
+          run_block(static_cast<int>(threads), body);
+        }
+    shared_.reset();
+  }
+
+  void* dynamic_shared() { return shared_.get(); }
+  int lane() const { return current_ % kWarpSize; }
+  bool inside_kernel() const { return current_ >= 0; }
+
+  // Called by a running thread: stop at a synchronisation point until the scheduler releases it.
+  void wait(State state) {
+    Thread& t = threads_[current_];
+    t.state = state;
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_start_switch_fiber(&t.fake_stack, main_bottom_, main_size_);
+#endif
+    t.scheduler = std::move(t.scheduler).resume();
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_finish_switch_fiber(t.fake_stack, &main_bottom_, &main_size_);
+#endif
+  }
+  Thread& current() { return threads_[current_]; }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const {
+    throw std::runtime_error(std::string("CUDA harness: kernel ") + kernel_ + ": " + what);
+  }
+  std::string where(int t) const {
+    const uint3& i = threads_[t].index;
+    return "thread (" + std::to_string(i.x) + "," + std::to_string(i.y) + "," + std::to_string(i.z) + ") of block (" +
+           std::to_string(blockIdx.x) + "," + std::to_string(blockIdx.y) + "," + std::to_string(blockIdx.z) + ")";
+  }
+
+  void run_block(int n, const std::function<void()>& body) {
+    threads_.clear();
+    threads_.resize(n);
+    error_ = nullptr;
+    for (int t = 0; t < n; ++t) {
+      threads_[t].index = uint3{t % blockDim.x, (t / blockDim.x) % blockDim.y, t / (blockDim.x * blockDim.y)};
+      ctx::stack_context stack = stack_pool().allocate();
+#if defined(__SANITIZE_ADDRESS__)
+      threads_[t].stack_bottom = static_cast<char*>(stack.sp) - stack.size;
+      threads_[t].stack_size = stack.size;
+#endif
+      const ctx::preallocated on_stack(stack.sp, stack.size, stack);
+      threads_[t].fiber = ctx::fiber(std::allocator_arg, on_stack, PooledStack{}, [this, t, &body](ctx::fiber&& scheduler) {
+#if defined(__SANITIZE_ADDRESS__)
+        __sanitizer_finish_switch_fiber(nullptr, &main_bottom_, &main_size_);
+#endif
+        threads_[t].scheduler = std::move(scheduler);
+        try {
+          body();
+        } catch (const ctx::detail::forced_unwind&) {
+          throw;  // Boost.Context unwinding a thread the scheduler abandoned (after an error)
+        } catch (...) {
+          if (!error_) error_ = std::current_exception();
+        }
+        threads_[t].state = State::kDone;
+#if defined(__SANITIZE_ADDRESS__)
+        __sanitizer_start_switch_fiber(nullptr, main_bottom_, main_size_);
+#endif
+        return std::move(threads_[t].scheduler);
+      });
+    }
+    try {
+      schedule(n);
+    } catch (...) {
+      threads_.clear();  // unwinds the threads still suspended
+      throw;
+    }
+    threads_.clear();
+  }
+
+  void schedule(int n) {
+    std::vector<int> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    if (order_ == Order::kReverse) std::reverse(order.begin(), order.end());
+    for (;;) {
+      if (order_ == Order::kRandom) std::shuffle(order.begin(), order.end(), random_);
+      for (int t : order)
+        if (threads_[t].state == State::kReady) resume(t);
+      if (error_) std::rethrow_exception(error_);
+      if (std::all_of(threads_.begin(), threads_.end(), [](const Thread& t) { return t.state == State::kDone; })) return;
+      if (!release_warp_ops() && !release_barrier()) fail("deadlock in " + where(0));
+    }
+  }
+
+  void resume(int t) {
+    current_ = t;
+    threadIdx = threads_[t].index;
+#if defined(__SANITIZE_ADDRESS__)
+    void* fake_stack = nullptr;
+    __sanitizer_start_switch_fiber(&fake_stack, threads_[t].stack_bottom, threads_[t].stack_size);
+#endif
+    threads_[t].fiber = std::move(threads_[t].fiber).resume();
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+#endif
+    current_ = -1;
+  }
+
+  // Releases every warp operation whose lanes have all arrived; throws when one never can be.
+  bool release_warp_ops() {
+    bool released = false;
+    const int n = static_cast<int>(threads_.size());
+    for (int t = 0; t < n; ++t) {
+      const Thread& me = threads_[t];
+      if (me.state == State::kAtWarpOp && !(me.mask >> (t % kWarpSize) & 1u))
+        fail(where(t) + " calls " + op_name(me.op) + " with mask 0x" + hex(me.mask) + ", which leaves out its own lane " +
+             std::to_string(t % kWarpSize));
+    }
+    for (int t = 0; t < n; ++t) {
+      Thread& me = threads_[t];
+      if (me.state != State::kAtWarpOp) continue;
+      const int warp_base = t - t % kWarpSize;
+      unsigned ballot = 0;
+      for (int l = 0; l < kWarpSize; ++l) {
+        if (!(me.mask >> l & 1u)) continue;
+        if (warp_base + l >= n)
+          fail(where(t) + ": " + op_name(me.op) + " with mask 0x" + hex(me.mask) + " names lane " + std::to_string(l) +
+               ", which this block does not have");
+        const Thread& other = threads_[warp_base + l];
+        if (other.state != State::kAtWarpOp)
+          fail(where(t) + " waits in " + op_name(me.op) + " with mask 0x" + hex(me.mask) + " for lane " + std::to_string(l) +
+               ", which is " + state_name(other.state) + " (a wrong mask or a divergent call)");
+        if (other.mask != me.mask || other.op != me.op)
+          fail(where(t) + " calls " + op_name(me.op) + " with mask 0x" + hex(me.mask) + " while lane " + std::to_string(l) +
+               " calls " + op_name(other.op) + " with mask 0x" + hex(other.mask));
+        if (other.value) ballot |= 1u << l;
+      }
+      for (int l = 0; l < kWarpSize; ++l) {
+        if (!(me.mask >> l & 1u)) continue;
+        Thread& member = threads_[warp_base + l];
+        if (member.op == WarpOp::kShuffle) {
+          const int source = member.source_lane;
+          if (source != l && !(me.mask >> source & 1u))
+            fail(where(warp_base + l) + " shuffles from lane " + std::to_string(source) + ", outside its mask 0x" +
+                 hex(me.mask));
+          member.result = threads_[warp_base + source].value;
+        } else {
+          member.result = ballot;
+        }
+      }
+      // Results first, then release: a member's value is read above before any member runs on.
+      for (int l = 0; l < kWarpSize; ++l)
+        if (me.mask >> l & 1u) threads_[warp_base + l].state = State::kReady;
+      released = true;
+    }
+    return released;
+  }
+
+  bool release_barrier() {
+    int waiting = -1;
+    for (int t = 0; t < static_cast<int>(threads_.size()); ++t)
+      if (threads_[t].state == State::kAtBarrier) waiting = t;
+    if (waiting < 0) return false;
+    for (int t = 0; t < static_cast<int>(threads_.size()); ++t)
+      if (threads_[t].state != State::kAtBarrier)
+        fail("__syncthreads() is never reached by " + where(t) + ", which is " + state_name(threads_[t].state) +
+             ", while " + where(waiting) + " waits there (a barrier inside a branch some threads skip)");
+    for (Thread& t : threads_) t.state = State::kReady;
+    return true;
+  }
+
+  static std::string hex(unsigned v) {
+    char buf[16];
+    std::snprintf(buf, sizeof buf, "%08x", v);
+    return buf;
+  }
+
+  const char* kernel_ = "";
+  Order order_ = Order::kSequential;
+  std::mt19937 random_;
+  std::vector<Thread> threads_;
+  int current_ = -1;
+  std::exception_ptr error_;
+  std::unique_ptr<unsigned char[]> shared_;
+#if defined(__SANITIZE_ADDRESS__)
+  const void* main_bottom_ = nullptr;
+  std::size_t main_size_ = 0;
+#endif
+};
+
+Scheduler& scheduler() {
+  static Scheduler s;
+  return s;
+}
+
+Thread& calling_thread(const char* what) {
+  Scheduler& s = scheduler();
+  if (!s.inside_kernel()) throw std::logic_error(std::string("CUDA harness: ") + what + " called outside a kernel");
+  return s.current();
+}
+
+}  // namespace
+
+void launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes,
+            const std::function<void()>& body) {
+  scheduler().launch(kernel, grid, block, dynamic_shared_bytes, body);
+}
+
+void* dynamic_shared_memory() { return scheduler().dynamic_shared(); }
+
+void set_thread_order(const std::string& order) { scheduler().set_order(order); }
+
+void syncthreads() {
+  calling_thread("__syncthreads");
+  scheduler().wait(State::kAtBarrier);
+}
+
+int lane_id() {
+  calling_thread("a warp operation");
+  return scheduler().lane();
+}
+
+std::uint64_t warp_shuffle(unsigned mask, std::uint64_t value, int source_lane) {
+  Thread& t = calling_thread("a shuffle");
+  t.op = WarpOp::kShuffle, t.mask = mask, t.value = value, t.source_lane = source_lane;
+  scheduler().wait(State::kAtWarpOp);
+  return t.result;
+}
+
+unsigned warp_ballot(unsigned mask, bool predicate) {
+  Thread& t = calling_thread("a vote");
+  t.op = WarpOp::kVote, t.mask = mask, t.value = predicate ? 1 : 0;
+  scheduler().wait(State::kAtWarpOp);
+  return static_cast<unsigned>(t.result);
+}
+
+void warp_sync(unsigned mask) {
+  Thread& t = calling_thread("__syncwarp");
+  t.op = WarpOp::kSync, t.mask = mask, t.value = 0;
+  scheduler().wait(State::kAtWarpOp);
+}
+
+}  // namespace kvs::cuda_harness
+
+// ---- the runtime API on host memory ----
+cudaError_t cudaMalloc(void** pointer, std::size_t bytes) {
+  // 256-byte aligned like cudaMalloc, but exactly `bytes` long: AddressSanitizer reports a read even one
+  // element past the end (a GPU would not notice it).
+  *pointer = nullptr;
+  if (bytes && posix_memalign(pointer, 256, bytes) != 0) return cudaErrorMemoryAllocation;
+  return cudaSuccess;
+}
+cudaError_t cudaFree(void* pointer) {
+  std::free(pointer);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind) {
+  if (bytes) std::memcpy(dst, src, bytes);  // memcpy, not memmove: ASan reports overlapping ranges
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
+  return cudaMemcpy(dst, src, bytes, kind);
+}
+cudaError_t cudaMemset(void* dst, int value, std::size_t bytes) {
+  if (bytes) std::memset(dst, value, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaGetLastError() { return cudaSuccess; }
+cudaError_t cudaGetDeviceCount(int* count) {
+  *count = 1;
+  return cudaSuccess;
+}
+const char* cudaGetErrorString(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+  }
+  return "unknown error";
+}

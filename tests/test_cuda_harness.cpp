@@ -1,0 +1,223 @@
+// The CUDA harness itself: kernels written as CUDA (compiled here by g++ through the harness) get CUDA's
+// semantics for barriers, shuffles, votes and shared memory, and the usual mistakes are reported: a
+// missing barrier (under some thread order), a wrong shuffle mask, a barrier some threads skip, and -
+// under AddressSanitizer - an out-of-bounds read, with its line.
+#define KVS_CUDA_HARNESS 1
+#include <doctest/doctest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_support.h"
+
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Sum of `in` (blockDim.x floats) by the textbook shared-memory tree. `with_barriers` = false drops the
+// barriers between the levels: each level then reads values the level before may not have written yet.
+// Dynamic shared memory, which the harness fills with NaN for every block: a static __shared__ array would
+// keep the previous launch's values, which can hide the missing barrier.
+__global__ void tree_sum(float* out, const float* in, bool with_barriers) {
+  KVS_DYNAMIC_SHARED(float, partial);
+  const unsigned t = threadIdx.x;
+  partial[t] = in[t];
+  if (with_barriers) __syncthreads();
+  for (unsigned stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (t < stride) partial[t] += partial[t + stride];
+    if (with_barriers) __syncthreads();
+  }
+  if (t == 0) *out = partial[0];
+}
+
+// Sum over the warp with xor shuffles, `mask` naming the lanes that take part.
+__global__ void warp_sum(float* out, const float* in, unsigned mask) {
+  float v = in[threadIdx.x];
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(mask, v, offset);
+  out[threadIdx.x] = v;
+}
+
+// Only the first half of the warp calls the shuffle, with a mask that names all 32 lanes.
+__global__ void divergent_shuffle(float* out) {
+  float v = 1.0f;
+  if (threadIdx.x < 16) v = __shfl_down_sync(kFullMask, v, 1);
+  out[threadIdx.x] = v;
+}
+
+// A barrier inside a branch that half of the block skips.
+__global__ void barrier_in_branch(float* out) {
+  if (threadIdx.x < 64) __syncthreads();
+  out[threadIdx.x] = 1.0f;
+}
+
+__global__ void shuffles(int* down, int* up, int* xor16, int* broadcast, unsigned* ballot, int* any_all) {
+  const int lane = static_cast<int>(threadIdx.x);
+  down[lane] = __shfl_down_sync(kFullMask, lane, 3);
+  up[lane] = __shfl_up_sync(kFullMask, lane, 2, 16);
+  xor16[lane] = __shfl_xor_sync(kFullMask, lane, 8, 16);
+  broadcast[lane] = __shfl_sync(kFullMask, lane * 10, 5);
+  ballot[lane] = __ballot_sync(kFullMask, lane % 3 == 0);
+  any_all[lane] = __any_sync(kFullMask, lane == 7) * 2 + __all_sync(kFullMask, lane < 32);
+}
+
+// Each block adds its blockIdx.x + 1 into one counter; dynamic shared memory is read before it is written.
+__global__ void blocks_and_shared(float* counter, float* first_shared_value) {
+  KVS_DYNAMIC_SHARED(float, scratch);
+  if (threadIdx.x == 0) {
+    if (blockIdx.x == 0) *first_shared_value = scratch[0];
+    atomicAdd(counter, static_cast<float>(blockIdx.x + 1));
+  }
+}
+
+
+template <class T>
+struct DeviceArray {
+  explicit DeviceArray(std::size_t n) : n(n) { KVS_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T))); }
+  ~DeviceArray() { cudaFree(p); }
+  std::vector<T> host() const {
+    std::vector<T> h(n);
+    KVS_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+  T* p = nullptr;
+  std::size_t n;
+};
+
+float run_tree_sum(bool with_barriers) {
+  std::vector<float> in(256);
+  std::iota(in.begin(), in.end(), 1.0f);
+  DeviceArray<float> d_in(256), d_out(1);
+  KVS_CUDA_CHECK(cudaMemcpy(d_in.p, in.data(), 256 * sizeof(float), cudaMemcpyHostToDevice));
+  KVS_LAUNCH(tree_sum, dim3(1), dim3(256), 256 * sizeof(float), nullptr, d_out.p, d_in.p, with_barriers);
+  return d_out.host()[0];
+}
+
+struct OrderGuard {
+  ~OrderGuard() { kvs::cuda_harness::set_thread_order("sequential"); }
+};
+
+}  // namespace
+
+TEST_CASE("cuda harness: a shared-memory reduction with its barriers is right under every thread order") {
+  OrderGuard guard;
+  for (const char* order : {"sequential", "reverse", "random:1", "random:2"}) {
+    CAPTURE(order);
+    kvs::cuda_harness::set_thread_order(order);
+    CHECK(run_tree_sum(true) == 256.0f * 257.0f / 2.0f);
+  }
+}
+
+TEST_CASE("cuda harness: the same reduction without its barriers gives a wrong sum under some thread order") {
+  OrderGuard guard;
+  int wrong = 0;
+  for (const char* order : {"sequential", "reverse", "random:1", "random:2"}) {
+    kvs::cuda_harness::set_thread_order(order);
+    const float sum = run_tree_sum(false);
+    MESSAGE(std::string(order) << ": " << sum);
+    wrong += sum != 256.0f * 257.0f / 2.0f;
+  }
+  CHECK(wrong > 0);
+}
+
+TEST_CASE("cuda harness: warp shuffles and votes return what CUDA defines") {
+  DeviceArray<int> down(32), up(32), xor16(32), broadcast(32), any_all(32);
+  DeviceArray<unsigned> ballot(32);
+  KVS_LAUNCH(shuffles, dim3(1), dim3(32), 0, nullptr, down.p, up.p, xor16.p, broadcast.p, ballot.p, any_all.p);
+  const auto d = down.host(), u = up.host(), x = xor16.host(), b = broadcast.host(), a = any_all.host();
+  const auto v = ballot.host();
+  unsigned expected_ballot = 0;
+  for (int lane = 0; lane < 32; lane += 3) expected_ballot |= 1u << lane;
+  for (int lane = 0; lane < 32; ++lane) {
+    CAPTURE(lane);
+    CHECK(d[lane] == (lane + 3 < 32 ? lane + 3 : lane));        // past the warp's end: own value
+    CHECK(u[lane] == (lane % 16 >= 2 ? lane - 2 : lane));       // segments of 16 lanes
+    CHECK(x[lane] == (lane ^ 8));
+    CHECK(b[lane] == 50);
+    CHECK(v[lane] == expected_ballot);
+    CHECK(a[lane] == 3);
+  }
+}
+
+TEST_CASE("cuda harness: a warp reduction with the full mask sums 32 lanes") {
+  std::vector<float> in(32);
+  std::iota(in.begin(), in.end(), 0.0f);
+  DeviceArray<float> d_in(32), d_out(32);
+  KVS_CUDA_CHECK(cudaMemcpy(d_in.p, in.data(), sizeof(float) * 32, cudaMemcpyHostToDevice));
+  KVS_LAUNCH(warp_sum, dim3(1), dim3(32), 0, nullptr, d_out.p, d_in.p, kFullMask);
+  for (float s : d_out.host()) CHECK(s == 496.0f);
+}
+
+TEST_CASE("cuda harness: a shuffle whose mask leaves out calling lanes is reported, naming the kernel") {
+  DeviceArray<float> d_in(32), d_out(32);
+  KVS_CUDA_CHECK(cudaMemset(d_in.p, 0, sizeof(float) * 32));
+  CHECK_THROWS_WITH_AS(KVS_LAUNCH(warp_sum, dim3(1), dim3(32), 0, nullptr, d_out.p, d_in.p, 0x0000ffffu),
+                       doctest::Contains("kernel warp_sum: thread (16,0,0) of block (0,0,0) calls a shuffle with mask "
+                                         "0x0000ffff, which leaves out its own lane 16"),
+                       std::runtime_error);
+}
+
+TEST_CASE("cuda harness: a shuffle that some lanes of its mask never reach is reported, not a hang") {
+  DeviceArray<float> d_out(32);
+  CHECK_THROWS_WITH_AS(KVS_LAUNCH(divergent_shuffle, dim3(1), dim3(32), 0, nullptr, d_out.p),
+                       doctest::Contains("for lane 16, which is exited"), std::runtime_error);
+}
+
+TEST_CASE("cuda harness: a barrier some threads skip is reported, not a hang") {
+  DeviceArray<float> d_out(128);
+  CHECK_THROWS_WITH_AS(KVS_LAUNCH(barrier_in_branch, dim3(1), dim3(128), 0, nullptr, d_out.p),
+                       doctest::Contains("kernel barrier_in_branch: __syncthreads() is never reached by thread (64,0,0)"),
+                       std::runtime_error);
+  // The harness is usable again after the error.
+  CHECK(run_tree_sum(true) == 256.0f * 257.0f / 2.0f);
+}
+
+TEST_CASE("cuda harness: every block runs; dynamic shared memory starts as NaN") {
+  DeviceArray<float> counter(1), first(1);
+  KVS_CUDA_CHECK(cudaMemset(counter.p, 0, sizeof(float)));
+  KVS_LAUNCH(blocks_and_shared, dim3(10), dim3(64), 64 * sizeof(float), nullptr, counter.p, first.p);
+  CHECK(counter.host()[0] == 55.0f);
+  CHECK(std::isnan(first.host()[0]));
+  CHECK_THROWS_WITH_AS(KVS_LAUNCH(blocks_and_shared, dim3(1), dim3(2048), 0, nullptr, counter.p, first.p),
+                       doctest::Contains("a block of 2048 threads"), std::runtime_error);
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+namespace {
+constexpr int kOutOfBoundsLine = __LINE__ + 2;
+__global__ void read_one_past(float* out, const float* in, int n) {
+  out[threadIdx.x] = in[threadIdx.x + n];  // thread 0 reads in[n]: one past the end
+}
+}  // namespace
+
+TEST_CASE("cuda harness: under AddressSanitizer an out-of-bounds read in a kernel is caught with its line") {
+  int err[2];
+  REQUIRE(pipe(err) == 0);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    dup2(err[1], 2);
+    close(err[0]);
+    float *in = nullptr, *out = nullptr;
+    cudaMalloc(&in, 32 * sizeof(float));
+    cudaMalloc(&out, 32 * sizeof(float));
+    cudaMemset(in, 0, 32 * sizeof(float));
+    KVS_LAUNCH(read_one_past, dim3(1), dim3(32), 0, nullptr, out, in, 32);
+    _exit(0);
+  }
+  close(err[1]);
+  std::string report;
+  char buf[4096];
+  for (ssize_t got; (got = read(err[0], buf, sizeof buf)) > 0;) report.append(buf, static_cast<std::size_t>(got));
+  close(err[0]);
+  int status = 0;
+  waitpid(child, &status, 0);
+  CHECK_FALSE((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  CHECK(report.find("heap-buffer-overflow") != std::string::npos);
+  CHECK(report.find("test_cuda_harness.cpp:" + std::to_string(kOutOfBoundsLine)) != std::string::npos);
+}
+#endif
