@@ -17,6 +17,7 @@
 #include <cmath>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,7 @@
 #include "cli.h"
 #include "cpu_backend.h"
 #include "generate.h"
+#include "test_backends.h"
 #include "test_util.h"
 #include "tokenizer.h"
 
@@ -72,11 +74,19 @@ std::string validation_text() {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-void check_all_policies(const std::string& model_path, const std::vector<std::string>& prompts, int new_tokens) {
+// Every cache policy on `backend_name` reproduces naive greedy decoding on the CPU (on a backend other than
+// the CPU, naive decoding there too).
+void check_all_policies(const std::string& model_path, const std::vector<std::string>& prompts, int new_tokens,
+                        const std::string& backend_name = "cpu") {
   const Checkpoint checkpoint(model_path);
   const ModelConfig& c = checkpoint.config();
-  CpuBackend backend(test::test_threads());
-  Model model(checkpoint, backend);
+  CpuBackend cpu(test::test_threads());
+  Model cpu_model(checkpoint, cpu);
+  const std::unique_ptr<Backend> other = backend_name == "cpu" ? nullptr : test::make_test_backend(backend_name);
+  Backend& backend = other ? *other : cpu;
+  std::optional<Model> other_model;
+  if (other) other_model.emplace(checkpoint, *other);
+  Model& model = other ? *other_model : cpu_model;
   for (const std::string& text : prompts) {
     const std::vector<int> prompt = encode_bytes(text);
     const int n = static_cast<int>(prompt.size());
@@ -85,14 +95,14 @@ void check_all_policies(const std::string& model_path, const std::vector<std::st
     auto sampler = [&] { return Sampler(c.vocab_size, {}); };
     const Run naive = record([&](const OnLogits& on_logits) {
       Sampler s = sampler();
-      return generate_naive(model, s, prompt, new_tokens, {}, on_logits);
+      return generate_naive(cpu_model, s, prompt, new_tokens, {}, on_logits);
     });
     struct Method {
       std::string name;
       std::function<std::unique_ptr<KvCache>()> make;
       int prefill_chunk;
     };
-    const std::vector<Method> methods = {
+    std::vector<Method> methods = {
         {"concatenate", [&] { return std::make_unique<ch02::GrowingKvCache>(backend, c, ch02::Growth::kConcatenate); }, 0},
         {"chunked growth", [&] { return std::make_unique<ch02::GrowingKvCache>(backend, c, ch02::Growth::kChunked); }, 0},
         {"geometric growth", [&] { return std::make_unique<ch02::GrowingKvCache>(backend, c, ch02::Growth::kGeometric); }, 0},
@@ -101,16 +111,25 @@ void check_all_policies(const std::string& model_path, const std::vector<std::st
         {"prefill C=7", [&] { return std::make_unique<ch03::PreallocatedKvCache>(backend, c, n + new_tokens); }, 7},
         {"prefill C=64", [&] { return std::make_unique<ch03::PreallocatedKvCache>(backend, c, n + new_tokens); }, 64},
     };
+    if (other) methods.insert(methods.begin(), Method{"naive", nullptr, 0});
+    // The CUDA harness runs every kernel thread as a fiber: slow. The policies differ only on the host
+    // side (covered on the CPU); one of each kind of view and write is enough there.
+    if (backend_name == "cuda-harness")
+      std::erase_if(methods, [](const Method& m) {
+        return m.name != "naive" && m.name != "concatenate" && m.name != "preallocated" && m.name != "prefill C=7";
+      });
     for (const Method& m : methods) {
       CAPTURE(m.name);
+      CAPTURE(backend.describe());
       const Run cached = record([&](const OnLogits& on_logits) {
-        auto cache = m.make();
         Sampler s = sampler();
+        if (!m.make) return generate_naive(model, s, prompt, new_tokens, {}, on_logits);
+        auto cache = m.make();
         return generate_cached(model, *cache, s, prompt, new_tokens, m.prefill_chunk, {}, on_logits);
       });
       float worst = 0;
       const int compared = compare(naive, cached, n, worst);
-      MESSAGE(m.name << ", prompt " << n << ": " << compared << " of " << new_tokens
+      MESSAGE(backend_name << ", " << m.name << ", prompt " << n << ": " << compared << " of " << new_tokens
                      << " tokens identical before the first near-tie; largest logit difference " << worst);
       CHECK(worst <= kTolerance);
       CHECK(compared >= std::min(new_tokens, 50));  // a near-tie this early would make the test toothless
@@ -133,6 +152,28 @@ TEST_CASE("equivalence: the same on a random GQA checkpoint (3 query heads per K
   std::string prompt;
   for (int i = 0; i < 70; ++i) prompt.push_back(static_cast<char>((i * 37 + 11) % 256));
   check_all_policies(test::golden_path("gqa.bin"), {prompt.substr(0, 5), prompt}, 96 - 70);
+}
+
+TEST_CASE("equivalence: on every other backend, every cache policy reproduces the CPU's naive greedy decoding") {
+  // The CUDA kernels through the harness (slow: the random GQA checkpoint only) and on a GPU (the shipped
+  // model too, 200 tokens from each prompt).
+  std::string prompt;
+  for (int i = 0; i < 70; ++i) prompt.push_back(static_cast<char>((i * 37 + 11) % 256));
+  const std::vector<std::string> names = test::test_backend_names();
+  if (names.size() == 1) MESSAGE("this build has no backend but the CPU: nothing to compare");
+  for (const std::string& name : names) {
+    if (name == "cpu") continue;
+    CAPTURE(name);
+    if (name == "cuda-harness")  // 40 positions cross a warp's 32; naive decoding recomputes them at every step
+      check_all_policies(test::golden_path("gqa.bin"), {prompt.substr(0, 40)}, 10, name);
+    else
+      check_all_policies(test::golden_path("gqa.bin"), {prompt.substr(0, 5), prompt}, 96 - 70, name);
+    if (name == "cuda") {
+      const std::string valid = validation_text();
+      check_all_policies(find_data_file("kjv-gpt.bin"), {"And God said, ", valid.substr(0, 300), valid.substr(5000, 1100)},
+                         200, name);
+    }
+  }
 }
 
 TEST_CASE("equivalence: the comparison catches a cache that hides its newest key") {

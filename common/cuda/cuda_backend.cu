@@ -96,22 +96,22 @@ __global__ void rope_kernel(float* x, const float* table, int n, int heads, int 
 // Attention of one query head over the view, with an online softmax (no score buffer: the running maximum,
 // sum and weighted values are rescaled as larger scores arrive), so any number of rows needs no scratch.
 //   out (n, n_heads · head_dim), q (n, n_heads · head_dim) at positions pos .. pos + n - 1.
-// Grid (n_heads, n), block kAttentionWarps · 32: block (h, i) computes query i's head h. Warp w visits rows
-// w, w + kAttentionWarps, ...; a row that key_visible hides is skipped whole (its keys and values are
+// Grid (n_heads, n), block warps · 32 (warps <= kMaxAttentionWarps, chosen by the caller): block (h, i)
+// computes query i's head h. Warp w visits rows w, w + warps, ...; a row that key_visible hides is skipped whole (its keys and values are
 // never read, so an empty slot's bytes, NaN included, cannot leak in). Within a row, lane l holds the
 // elements l, l + 32, ... of q, k, v (head_dim <= kMaxHeadDim). At the end the warps' partial results are
 // merged through shared memory.
-constexpr int kAttentionWarps = 4;
+constexpr int kMaxAttentionWarps = 16;
 constexpr int kMaxHeadDim = 256;
 constexpr int kPerLane = kMaxHeadDim / kWarp;
 
-__global__ void __launch_bounds__(kAttentionWarps * kWarp)
+__global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
     attention_kernel(float* out, const float* q, int pos, KvView kv, int n_heads, int group, int head_dim) {
-  __shared__ float warp_max[kAttentionWarps];
-  __shared__ float warp_total[kAttentionWarps];
-  __shared__ float warp_values[kAttentionWarps][kMaxHeadDim];
+  __shared__ float warp_max[kMaxAttentionWarps];
+  __shared__ float warp_total[kMaxAttentionWarps];
+  __shared__ float warp_values[kMaxAttentionWarps][kMaxHeadDim];
   const int h = blockIdx.x, i = blockIdx.y;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   const int query_pos = pos + i, kv_offset = (h / group) * head_dim, dim = n_heads * head_dim;
   const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));
   const float minus_inf = -INFINITY;
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarp)
     values[j] = 0.0f;
   }
   float running_max = minus_inf, total = 0.0f;
-  for (int r = warp; r < kv.rows; r += kAttentionWarps) {
+  for (int r = warp; r < kv.rows; r += warps) {
     if (!key_visible(query_pos, kv.position_of(r), kv.window)) continue;  // the same r in every lane
     const float* key = kv.keys + std::size_t(r) * kv.row_stride + kv_offset;
     const float* value = kv.values + std::size_t(r) * kv.row_stride + kv_offset;
@@ -150,12 +150,12 @@ __global__ void __launch_bounds__(kAttentionWarps * kWarp)
   }
   __syncthreads();
   float block_max = minus_inf, block_total = 0.0f;
-  for (int w = 0; w < kAttentionWarps; ++w) block_max = fmaxf(block_max, warp_max[w]);
-  for (int w = 0; w < kAttentionWarps; ++w)
+  for (int w = 0; w < warps; ++w) block_max = fmaxf(block_max, warp_max[w]);
+  for (int w = 0; w < warps; ++w)
     if (warp_max[w] != minus_inf) block_total += warp_total[w] * expf(warp_max[w] - block_max);
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float o = 0.0f;
-    for (int w = 0; w < kAttentionWarps; ++w)
+    for (int w = 0; w < warps; ++w)
       if (warp_max[w] != minus_inf) o += warp_values[w][d] * expf(warp_max[w] - block_max);
     // Nothing visible (only a deliberately broken cache gets here): 0, as the CPU backend.
     out[std::size_t(i) * dim + h * head_dim + d] = block_total > 0.0f ? o / block_total : 0.0f;
@@ -255,7 +255,10 @@ class CudaBackend final : public Backend {
     // Per-row positions live in host memory today (a cache's bookkeeping): the kernel reads a copy.
     if (kv.row_positions)
       device_view.row_positions = to_device(row_positions_, row_positions_capacity_, kv.row_positions, kv.rows);
-    KVS_LAUNCH(attention_kernel, dim3(shape.n_heads, n), dim3(kAttentionWarps * kWarp), 0, nullptr, out, q, pos,
+    // Decoding, one query per head: few blocks, so more warps per block share the rows (one per 64 rows, up
+    // to 16). Prefill has a block per query and head already: 4 warps.
+    const int warps = n == 1 ? std::clamp(kv.rows / 64, 1, kMaxAttentionWarps) : 4;
+    KVS_LAUNCH(attention_kernel, dim3(shape.n_heads, n), dim3(warps * kWarp), 0, nullptr, out, q, pos,
                device_view, shape.n_heads, shape.n_heads / shape.n_kv_heads, shape.head_dim);
   }
   void swiglu(float* gate, const float* up, std::size_t count) override {
@@ -294,8 +297,12 @@ class CudaBackend final : public Backend {
 std::unique_ptr<Backend> make_cuda_harness_backend() {
   return std::make_unique<CudaBackend>("cuda kernels on the CPU (CUDA harness, for tests; never time it)");
 }
-#else
-std::unique_ptr<Backend> make_cuda_backend() {
+#endif
+
+}  // namespace kvs
+
+#if !defined(KVS_CUDA_HARNESS)
+extern "C" kvs::Backend* kvs_create_cuda_backend() {
   int devices = 0;
   const cudaError_t error = cudaGetDeviceCount(&devices);
   if (error != cudaSuccess || devices == 0) {
@@ -306,8 +313,6 @@ std::unique_ptr<Backend> make_cuda_backend() {
   }
   cudaDeviceProp properties{};
   KVS_CUDA_CHECK(cudaGetDeviceProperties(&properties, 0));
-  return std::make_unique<CudaBackend>(std::string("cuda (") + properties.name + ", cuBLAS)");
+  return new kvs::CudaBackend(std::string("cuda (") + properties.name + ", cuBLAS)");
 }
 #endif
-
-}  // namespace kvs

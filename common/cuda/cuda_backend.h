@@ -4,11 +4,12 @@
 
 #include "backend.h"
 
-namespace kvs {
+// The entry point of the CUDA backend module (libkvs_cuda.so, built by nvcc beside the binaries), which
+// make_backend("cuda") loads with dlopen: a new backend on device 0, or std::runtime_error ("no CUDA device
+// found ...; run with --backend cpu") when no device can be used.
+extern "C" kvs::Backend* kvs_create_cuda_backend();
 
-// The backend compiled by nvcc, on device 0. Throws std::runtime_error ("no CUDA device found ...; run with
-// --backend cpu") when no device can be used. Only in builds with CUDA (KVS_HAVE_CUDA).
-std::unique_ptr<Backend> make_cuda_backend();
+namespace kvs {
 
 // The same source compiled by g++, its kernels run on the CPU by the CUDA harness: for tests and for
 // stepping through a kernel in a debugger, never for timings. Only where the harness is built

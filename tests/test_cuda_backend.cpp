@@ -1,0 +1,217 @@
+// The CUDA backend's operations, one by one, against the CPU backend (and attention against the plain-loop
+// reference), on sizes that cross the kernels' warp (32), block (128, 256) and per-lane (head_dim 32 · k)
+// boundaries, odd sizes included. They run on every backend other than the CPU that this build and
+// machine have: the CUDA kernels through the CUDA harness (everywhere the harness is built, CI included)
+// and on a GPU where one is present.
+//
+// Tolerance: |backend - reference| <= atol + rtol · |reference|, rtol = 1.2e-7 (one float rounding) and atol
+// per op: 0 where both sides copy bits (embed); 1e-6 where one side uses the GPU's own maths functions on
+// values of order 1 (RoPE tables and rotations, RMSNorm, SwiGLU); 1e-4 for sums of hundreds of products
+// summed in another order (matrix products, attention's scores and weighted values). A wrong index (a
+// head, a row, a pair, a position) moves outputs by ~0.1 or more.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu_backend.h"
+#include "kv_cache.h"
+#include "reference_attention.h"
+#include "test_backends.h"
+
+using namespace kvs;
+
+namespace {
+
+constexpr float kRtol = 1.2e-7f;
+
+std::vector<float> random_vector(std::size_t n, std::mt19937& gen, float scale = 1.0f) {
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(gen);
+  return v;
+}
+
+// Largest violation of |got - want| <= atol + rtol·|want| (<= 0: all within), NaN/Inf counted as violations.
+float worst_excess(const std::vector<float>& got, const std::vector<float>& want, float atol) {
+  REQUIRE(got.size() == want.size());
+  float worst = -INFINITY;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    worst = std::max(worst, std::abs(got[i] - want[i]) - (atol + kRtol * std::abs(want[i])));
+  }
+  return worst;
+}
+
+std::vector<std::string> kernel_backends() {
+  std::vector<std::string> names = test::test_backend_names();
+  names.erase(names.begin());  // the CPU is the reference
+  if (names.empty()) MESSAGE("no CUDA backend in this build (neither the harness nor a GPU): nothing to compare");
+  return names;
+}
+
+}  // namespace
+
+TEST_CASE("cuda kernels: embedding, RMSNorm, SwiGLU and add equal the CPU backend across block boundaries") {
+  CpuBackend cpu(1);
+  std::mt19937 gen(7);
+  for (const std::string& name : kernel_backends()) {
+    CAPTURE(name);
+    auto backend = test::make_test_backend(name);
+    Backend& b = *backend;
+    for (int dim : {1, 31, 32, 33, 255, 256, 257, 1000}) {
+      CAPTURE(dim);
+      const int vocab = 11, n = 3;
+      const std::vector<float> table = random_vector(std::size_t(vocab) * dim, gen);
+      const std::vector<int> tokens = {10, 0, 4};
+      std::vector<float> want(std::size_t(n) * dim);
+      cpu.embed(want.data(), table.data(), tokens, dim);
+      Buffer d_table = test::to_backend(b, table), d_x(b, want.size());
+      b.embed(d_x.data(), d_table.data(), tokens, dim);
+      CHECK(worst_excess(test::from_backend(b, d_x), want, 0.0f) <= 0);
+
+      const std::vector<float> x = random_vector(std::size_t(n) * dim, gen, 3.0f), weight = random_vector(dim, gen);
+      cpu.rmsnorm(want.data(), x.data(), weight.data(), n, dim);
+      Buffer d_in = test::to_backend(b, x), d_weight = test::to_backend(b, weight), d_out(b, want.size());
+      b.rmsnorm(d_out.data(), d_in.data(), d_weight.data(), n, dim);
+      CHECK(worst_excess(test::from_backend(b, d_out), want, 1e-6f) <= 0);
+    }
+    for (std::size_t count : {std::size_t{1}, std::size_t{255}, std::size_t{256}, std::size_t{257}, std::size_t{100003}}) {
+      CAPTURE(count);
+      const std::vector<float> gate = random_vector(count, gen, 4.0f), up = random_vector(count, gen);
+      std::vector<float> want = gate;
+      cpu.swiglu(want.data(), up.data(), count);
+      Buffer d_gate = test::to_backend(b, gate), d_up = test::to_backend(b, up);
+      b.swiglu(d_gate.data(), d_up.data(), count);
+      CHECK(worst_excess(test::from_backend(b, d_gate), want, 1e-6f) <= 0);
+
+      std::vector<float> sum = gate;
+      cpu.add(sum.data(), up.data(), count);
+      Buffer d_sum = test::to_backend(b, gate);
+      b.add(d_sum.data(), d_up.data(), count);
+      CHECK(worst_excess(test::from_backend(b, d_sum), sum, 0.0f) <= 0);
+    }
+  }
+}
+
+TEST_CASE("cuda kernels: matrix products through the BLAS interface equal the CPU backend") {
+  CpuBackend cpu(1);
+  std::mt19937 gen(8);
+  for (const std::string& name : kernel_backends()) {
+    CAPTURE(name);
+    auto backend = test::make_test_backend(name);
+    Backend& b = *backend;
+    struct Shape {
+      int n, d_in, d_out;
+    };
+    for (const Shape s : {Shape{1, 1, 1}, Shape{1, 257, 31}, Shape{5, 33, 260}, Shape{64, 128, 384}, Shape{70, 384, 128}}) {
+      CAPTURE(s.n); CAPTURE(s.d_in); CAPTURE(s.d_out);
+      const std::vector<float> x = random_vector(std::size_t(s.n) * s.d_in, gen), w = random_vector(std::size_t(s.d_out) * s.d_in, gen);
+      std::vector<float> want(std::size_t(s.n) * s.d_out);
+      cpu.matmul(want.data(), x.data(), w.data(), s.n, s.d_in, s.d_out);
+      Buffer d_x = test::to_backend(b, x), d_w = test::to_backend(b, w), d_out(b, want.size());
+      b.matmul(d_out.data(), d_x.data(), d_w.data(), s.n, s.d_in, s.d_out);
+      CHECK(worst_excess(test::from_backend(b, d_out), want, 1e-4f) <= 0);
+    }
+  }
+}
+
+TEST_CASE("cuda kernels: RoPE tables and rotations equal the CPU backend, positions past 2^16 included") {
+  CpuBackend cpu(1);
+  std::mt19937 gen(9);
+  for (const std::string& name : kernel_backends()) {
+    CAPTURE(name);
+    auto backend = test::make_test_backend(name);
+    Backend& b = *backend;
+    for (int head_dim : {2, 32, 96})
+      for (int n : {1, 70})
+        for (int pos : {0, 2047, 100000}) {
+          CAPTURE(head_dim); CAPTURE(n); CAPTURE(pos);
+          const int heads = 3;
+          std::vector<float> table(std::size_t(n) * head_dim);
+          cpu.rope_table(table.data(), pos, n, head_dim);
+          Buffer d_table(b, table.size());
+          b.rope_table(d_table.data(), pos, n, head_dim);
+          CHECK(worst_excess(test::from_backend(b, d_table), table, 1e-6f) <= 0);
+
+          std::vector<float> x = random_vector(std::size_t(n) * heads * head_dim, gen);
+          Buffer d_x = test::to_backend(b, x), d_cpu_table = test::to_backend(b, table);
+          cpu.rope(x.data(), table.data(), n, heads, head_dim);
+          b.rope(d_x.data(), d_cpu_table.data(), n, heads, head_dim);
+          CHECK(worst_excess(test::from_backend(b, d_x), x, 1e-6f) <= 0);
+        }
+  }
+}
+
+TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind of view") {
+  std::mt19937 gen(10);
+  for (const std::string& name : kernel_backends()) {
+    CAPTURE(name);
+    auto backend = test::make_test_backend(name);
+    Backend& b = *backend;
+    // Runs the backend's attention over `positions` rows (negative: an empty row holding NaN) for queries
+    // at pos .. pos + n - 1 and compares with the reference.
+    auto check = [&](const AttentionShape& shape, const std::vector<int>& positions, bool explicit_positions,
+                     int first_position, Window window, int pos, int n) {
+      CAPTURE(shape.n_heads); CAPTURE(shape.n_kv_heads); CAPTURE(shape.head_dim);
+      CAPTURE(positions.size()); CAPTURE(pos); CAPTURE(n); CAPTURE(window.size); CAPTURE(window.sinks);
+      const int rows = static_cast<int>(positions.size()), kv_dim = shape.n_kv_heads * shape.head_dim;
+      const int stride = kv_dim + 3;  // rows further apart than their data: the stride is honoured
+      const int dim = shape.n_heads * shape.head_dim;
+      std::vector<float> keys = random_vector(std::size_t(rows) * stride, gen), values = random_vector(keys.size(), gen);
+      for (int r = 0; r < rows; ++r)
+        if (positions[r] < 0)
+          for (int j = 0; j < stride; ++j)
+            keys[std::size_t(r) * stride + j] = values[std::size_t(r) * stride + j] = std::numeric_limits<float>::quiet_NaN();
+      const std::vector<float> q = random_vector(std::size_t(n) * dim, gen);
+      const KvView host_view{.keys = keys.data(), .values = values.data(), .rows = rows, .row_stride = stride,
+                             .row_positions = explicit_positions ? positions.data() : nullptr,
+                             .first_position = first_position, .window = window};
+      std::vector<float> want(q.size());
+      test::reference_attention(want.data(), q.data(), pos, n, host_view, shape);
+
+      Buffer d_keys = test::to_backend(b, keys), d_values = test::to_backend(b, values), d_q = test::to_backend(b, q);
+      Buffer d_out(b, q.size()), scratch(b, b.attention_scratch_floats(shape, rows));
+      KvView view = host_view;
+      view.keys = d_keys.data(), view.values = d_values.data();
+      b.attention(d_out.data(), d_q.data(), pos, n, view, shape, {scratch.data(), scratch.size()});
+      CHECK(worst_excess(test::from_backend(b, d_out), want, 1e-4f) <= 0);
+    };
+    auto consecutive = [](int rows, int first) {
+      std::vector<int> p(rows);
+      for (int r = 0; r < rows; ++r) p[r] = first + r;
+      return p;
+    };
+    const AttentionShape mha{4, 4, 32}, gqa{6, 2, 96}, mqa{4, 1, 256};
+    // Decode: one query over every cached row (the chapters' cache), lengths around warp and block sizes.
+    for (int rows : {1, 31, 33, 97, 255, 257, 1023, 2048}) check(mha, consecutive(rows, 0), false, 0, {}, rows - 1, 1);
+    for (const AttentionShape& shape : {gqa, mqa}) check(shape, consecutive(97, 0), false, 0, {}, 96, 1);
+    // Prefill: causal over the whole prompt, and a chunk after a cached prefix.
+    check(gqa, consecutive(70, 0), false, 0, {}, 0, 70);
+    check(mha, consecutive(257, 0), false, 0, {}, 193, 64);
+    // A view that starts past position 0, and a window with sinks over a contiguous view.
+    check(mha, consecutive(40, 100), false, 100, {}, 120, 20);
+    check(gqa, consecutive(257, 0), false, 0, Window{.size = 64, .sinks = 4}, 250, 7);
+    // A ring: per-row positions out of order, empty slots holding NaN, a window with sinks.
+    std::vector<int> ring = {0, 1, 2, 3, 140, 141, 142, 143, 144, 129, 130, 131, -1, -1, 132, 133};
+    check(gqa, ring, true, 0, Window{.size = 12, .sinks = 4}, 144, 1);
+    check(mqa, ring, true, 0, Window{.size = 20, .sinks = 4}, 140, 5);
+    // Nothing visible at all (a deliberately broken cache): the output is 0, not NaN.
+    check(mha, {-1, -1, 500}, true, 0, {}, 10, 1);
+  }
+}
+
+TEST_CASE("backends: a copy between overlapping ranges is refused on every backend") {
+  for (const std::string& name : test::test_backend_names()) {
+    CAPTURE(name);
+    auto backend = test::make_test_backend(name);
+    Buffer buffer(*backend, 100);
+    CHECK_THROWS_WITH_AS(backend->copy(buffer.data() + 10, buffer.data(), 20), "copy: the source and destination ranges overlap",
+                         std::invalid_argument);
+    CHECK_NOTHROW(backend->copy(buffer.data() + 20, buffer.data(), 20));
+  }
+}
