@@ -52,11 +52,12 @@ struct dim3 {
   constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 
-// Set by the scheduler before it resumes a thread.
-extern thread_local uint3 threadIdx;
-extern thread_local uint3 blockIdx;
-extern thread_local dim3 blockDim;
-extern thread_local dim3 gridDim;
+// Set by the scheduler before it resumes a thread. One launch runs at a time in a process (the harness is
+// not thread-safe).
+extern uint3 threadIdx;
+extern uint3 blockIdx;
+extern dim3 blockDim;
+extern dim3 gridDim;
 inline constexpr int warpSize = 32;
 
 namespace kvs::cuda_harness {

@@ -18,10 +18,10 @@
 
 #include "cuda_runtime_harness.h"
 
-thread_local uint3 threadIdx;
-thread_local uint3 blockIdx;
-thread_local dim3 blockDim;
-thread_local dim3 gridDim;
+uint3 threadIdx;
+uint3 blockIdx;
+dim3 blockDim;
+dim3 gridDim;
 
 #if defined(__SANITIZE_ADDRESS__)
 // AddressSanitizer must be told when the stack changes under it (declared by hand: g++ ships no sanitizer
@@ -82,6 +82,9 @@ struct PooledStack {
 };
 
 enum class State { kReady, kAtBarrier, kAtWarpOp, kDone };
+
+// Thrown inside a suspended thread to end it when its launch has failed.
+struct Abandon {};
 
 const char* state_name(State s) {
   switch (s) {
@@ -179,6 +182,7 @@ class Scheduler {
 #if defined(__SANITIZE_ADDRESS__)
     __sanitizer_finish_switch_fiber(t.fake_stack, &main_bottom_, &main_size_);
 #endif
+    if (abandoning_) throw Abandon{};
   }
   Thread& current() { return threads_[current_]; }
 
@@ -211,8 +215,8 @@ class Scheduler {
         threads_[t].scheduler = std::move(scheduler);
         try {
           body();
-        } catch (const ctx::detail::forced_unwind&) {
-          throw;  // Boost.Context unwinding a thread the scheduler abandoned (after an error)
+        } catch (const Abandon&) {
+          // the launch failed elsewhere: this thread's stack is unwound, it ends here
         } catch (...) {
           if (!error_) error_ = std::current_exception();
         }
@@ -226,9 +230,19 @@ class Scheduler {
     try {
       schedule(n);
     } catch (...) {
-      threads_.clear();  // unwinds the threads still suspended
+      abandon_suspended();
       throw;
     }
+    threads_.clear();
+  }
+
+  // After an error: resumes every suspended thread once with `abandoning_` set, so that its wait() throws
+  // Abandon and its stack unwinds through the same (sanitizer-annotated) switches as any resume.
+  void abandon_suspended() {
+    abandoning_ = true;
+    for (int t = 0; t < static_cast<int>(threads_.size()); ++t)
+      if (threads_[t].state != State::kDone && threads_[t].fiber) resume(t);
+    abandoning_ = false;
     threads_.clear();
   }
 
@@ -335,6 +349,7 @@ class Scheduler {
   std::vector<Thread> threads_;
   int current_ = -1;
   std::exception_ptr error_;
+  bool abandoning_ = false;
   std::unique_ptr<unsigned char[]> shared_;
 #if defined(__SANITIZE_ADDRESS__)
   const void* main_bottom_ = nullptr;
