@@ -214,7 +214,7 @@ class Scheduler {
 #endif
         threads_[t].scheduler = std::move(scheduler);
         try {
-          body();
+          if (!abandoning_) body();  // a thread first entered while abandoning never runs the kernel
         } catch (const Abandon&) {
           // the launch failed elsewhere: this thread's stack is unwound, it ends here
         } catch (...) {
