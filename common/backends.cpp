@@ -9,14 +9,6 @@
 
 namespace kvs {
 
-std::vector<std::string> built_backends() {
-#if defined(KVS_HAVE_CUDA)
-  return {"cpu", "cuda"};
-#else
-  return {"cpu"};
-#endif
-}
-
 std::string backend_unavailable(const std::string& name) {
   if (name == "cpu") return "";
   if (name == "cuda") {

@@ -2,14 +2,11 @@
 // Choosing a backend by name (--backend): "cpu" in every build, "cuda" in builds with nvcc.
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "backend.h"
 
 namespace kvs {
 
-// The backends this build has, "cpu" first.
-std::vector<std::string> built_backends();
 // Why `name` cannot be used in this build (one line naming what to do instead), or empty.
 std::string backend_unavailable(const std::string& name);
 // A backend by name; `cpu_threads` only for the CPU (0 = every core). Throws std::runtime_error when the

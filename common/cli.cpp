@@ -1,7 +1,5 @@
 #include "cli.h"
 
-#include "backends.h"
-
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/stat.h>
@@ -19,6 +17,8 @@
 #include <new>
 #include <sstream>
 #include <stdexcept>
+
+#include "backends.h"
 
 namespace kvs {
 namespace fs = std::filesystem;

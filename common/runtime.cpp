@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "backends.h"
+#include "cpu_backend.h"
 #include "tokenizer.h"
 
 namespace kvs {
@@ -43,11 +44,15 @@ Runtime::Runtime(const CommonOptions& options, const std::string& default_prompt
       prompt(encode_bytes(resolve_prompt(options, default_prompt))),
       sampling{options.temperature, options.top_k, options.seed},
       memory_limit(options.memory_limit),
-      cpu_threads(options.backend == "cpu" ? (options.threads > 0 ? options.threads : available_cores()) : 0),
-      backend_owner(make_backend(options.backend, cpu_threads)),
+      backend_owner(make_backend(options.backend, options.threads)),
       backend(*backend_owner),
       memory(plan_run(options, checkpoint, backend, prompt.size(), fit, longest_sequence)),
       model(checkpoint, backend, memory.positions, memory.positions) {}
+
+int Runtime::cpu_threads() const {
+  const auto* cpu = dynamic_cast<const CpuBackend*>(&backend);
+  return cpu ? cpu->threads() : 0;
+}
 
 void Runtime::plan_kv_cache(std::int64_t bytes) {
   MemoryPlan plan = memory;

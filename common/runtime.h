@@ -4,13 +4,13 @@
 // is allocated.
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "backend.h"
 #include "checkpoint.h"
 #include "cli.h"
-#include "backend.h"
-#include <memory>
 #include "csv.h"
 #include "model.h"
 #include "sampler.h"
@@ -57,6 +57,9 @@ class Runtime {
   // The files this run reads, which no output may overwrite.
   std::vector<NamedPath> inputs() const { return {{"--model", checkpoint.path()}, {"--prompt-file", prompt_file}}; }
 
+  // The CPU backend's threads; 0 with another backend.
+  int cpu_threads() const;
+
   // A sampler at the start of its random sequence: every run of a comparison gets a fresh one.
   Sampler new_sampler() const { return Sampler(checkpoint.config().vocab_size, sampling); }
 
@@ -65,7 +68,6 @@ class Runtime {
   std::vector<int> prompt;  // the prompt's tokens (bytes)
   SamplerSettings sampling;
   std::int64_t memory_limit;
-  int cpu_threads;  // the CPU backend's threads; 0 with another backend
   std::unique_ptr<Backend> backend_owner;
   Backend& backend;
   MemoryPlan memory;

@@ -15,6 +15,7 @@
 
 #include "checkpoint.h"
 #include "cli.h"
+#include "test_backends.h"
 #include "test_util.h"
 
 using kvs::test::golden_path;
@@ -248,6 +249,31 @@ TEST_CASE("inputs: empty values, sub-byte sizes and sampling flags without sampl
     CHECK(r.err.find("only apply when sampling") != std::string::npos);
   }
   CHECK(run_command(ch01 + " --max-new-tokens 3 --temperature 0.8 --top-k 5 --seed 3").exit_code == 0);
+}
+
+TEST_CASE("inputs: --backend takes cpu or cuda; cuda without a build or a GPU for it, or with --threads, is refused") {
+  const std::string ch01 = binary("01_naive_generation") + " --model " + golden_path("mha.bin") + " --max-new-tokens 3";
+  const auto unknown = run_command(ch01 + " --backend tpu");
+  CHECK(unknown.exit_code == 2);
+  CHECK(unknown.err.find("unknown backend 'tpu'; use --backend cpu or --backend cuda") != std::string::npos);
+  const auto threads = run_command(ch01 + " --backend cuda --threads 1");
+  CHECK(threads.exit_code == 2);
+  CHECK(threads.err.find("--threads sets CPU threads; --backend cuda does not use it") != std::string::npos);
+  CHECK(run_command(ch01 + " --backend cpu").exit_code == 0);
+  const auto cuda = run_command(ch01 + " --backend cuda");
+  if (kvs::test::gpu_present()) {
+    CHECK(cuda.exit_code == 0);
+  } else {
+#if defined(KVS_HAVE_CUDA)
+    CHECK(cuda.exit_code == 1);  // the build has the backend; this machine has no device
+    CHECK(cuda.err.find("no CUDA device found") != std::string::npos);
+#else
+    CHECK(cuda.exit_code == 2);
+    CHECK(cuda.err.find("this build has no CUDA backend") != std::string::npos);
+#endif
+    CHECK(cuda.err.find("run with --backend cpu") != std::string::npos);
+    CHECK(std::count(cuda.err.begin(), cuda.err.end(), '\n') == 1);
+  }
 }
 
 TEST_CASE("errors: usage errors exit 2, runtime errors exit 1, both as one line '<program>: error: ...'") {

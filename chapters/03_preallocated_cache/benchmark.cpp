@@ -145,7 +145,7 @@ int main(int argc, char** argv) {
         rows.push_back({method, prompt_len, ttft, decode, new_tokens - 1, cache_bytes});
         std::fprintf(stderr, "  prompt %5d  %-12s ttft %9.2f ms  decode %9.4f ms/token%s\n", prompt_len, method.c_str(),
                      ttft, decode, same ? "" : "  (tokens differ from naive!)");
-        csv.row(method, prompt_len, ttft, decode, new_tokens - 1, cache_bytes, rt.cpu_threads);
+        csv.row(method, prompt_len, ttft, decode, new_tokens - 1, cache_bytes, rt.cpu_threads());
         csv.commit();
         if (method != "naive") {
           mem_csv.row(method, prompt_len + new_tokens, cache_bytes, resident_bytes,

@@ -206,7 +206,9 @@ class CudaBackend final : public Backend {
     }
     return p;
   }
-  void release(float* p) override { KVS_CUDA_CHECK(cudaFree(p)); }
+  // Not checked: Buffer calls this from its destructor, which must not throw; a failed free leaves the
+  // error for the next checked call to report.
+  void release(float* p) override { cudaFree(p); }
   const float* upload_weights(const float* host, std::size_t floats) override {
     float* device = allocate(floats);
     weights_.push_back(device);
