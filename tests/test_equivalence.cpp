@@ -120,7 +120,6 @@ void check_all_policies(const std::string& model_path, const std::vector<std::st
       });
     for (const Method& m : methods) {
       CAPTURE(m.name);
-      CAPTURE(backend.describe());
       const Run cached = record([&](const OnLogits& on_logits) {
         Sampler s = sampler();
         if (!m.make) return generate_naive(model, s, prompt, new_tokens, {}, on_logits);
