@@ -48,7 +48,8 @@ void CpuBackend::copy(float* dst, const float* src, std::size_t floats) {
 }
 
 std::size_t CpuBackend::attention_scratch_floats(const AttentionShape& shape, int max_rows) const {
-  return std::size_t(shape.n_heads) * kQueryBlock * max_rows;
+  // Per head: (kQueryBlock, max_rows) scores, then one rotated query (head_dim) for read-time rotation.
+  return std::size_t(shape.n_heads) * (std::size_t(kQueryBlock) * max_rows + shape.head_dim);
 }
 
 void CpuBackend::embed(float* x, const float* table, std::span<const int> tokens, int dim) {
@@ -91,17 +92,65 @@ void CpuBackend::rope(float* x, const float* table, int n, int heads, int head_d
 
 void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvView& kv,
                            const AttentionShape& shape, std::span<float> scratch) {
-  // Each head owns a fixed slice of the scratch, (kQueryBlock, max_rows) scores, whatever this view's size.
+  // Each head owns a fixed slice of the scratch, (kQueryBlock, max_rows) scores and a rotated query,
+  // whatever this view's size.
   const std::size_t head_stride = scratch.size() / shape.n_heads;
-  if (std::size_t(kQueryBlock) * kv.rows > head_stride)
+  if (std::size_t(kQueryBlock) * kv.rows + shape.head_dim > head_stride)
     throw std::invalid_argument("attention: the view has " + std::to_string(kv.rows) +
                                 " rows, more than the scratch was sized for");
+  if (kv.read_rope && kv.window.size < 1)
+    throw std::invalid_argument("attention: read-time rotation needs a window (its table covers its positions)");
   const int head_dim = shape.head_dim, dim = shape.n_heads * head_dim;
   const int group = shape.n_heads / shape.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const float minus_inf = -std::numeric_limits<float>::infinity();
 
+  // Keys cached unrotated (chapter 04's streaming variant): a query at a time, each visible key rotated by
+  // its position within the window as it is read (kv_cache.h), into one dot product. The softmax and the
+  // weighted sum are the same as below; only the scores differ in how they are made.
+  auto one_head_rotating_at_read = [&](int h) {
+    const int kv_head = h / group, pairs = head_dim / 2;
+    float* scores = scratch.data() + h * head_stride;                     // (rows)
+    float* query = scores + std::size_t(kQueryBlock) * kv.rows;           // (head_dim) rotated
+    for (int i = 0; i < n; ++i) {
+      const int query_pos = pos + i;
+      const float* table = kv.read_rope;  // (window.size, pairs, 2)
+      std::memcpy(query, q + std::size_t(i) * dim + h * head_dim, head_dim * sizeof(float));
+      const int query_rotary = rotary_query_position(query_pos, kv.window);
+      for (int p = 0; p < pairs; ++p) rope_rotate(query + 2 * p, table + (std::size_t(query_rotary) * pairs + p) * 2);
+      float max_score = minus_inf;
+      for (int r = 0; r < kv.rows; ++r) {
+        const int key_pos = kv.position_of(r);
+        scores[r] = minus_inf;
+        if (!key_visible(query_pos, key_pos, kv.window)) continue;
+        const float* key = kv.keys + std::size_t(r) * kv.row_stride + kv_head * head_dim;
+        const float* cos_sin = table + std::size_t(rotary_key_position(query_pos, key_pos, kv.window)) * pairs * 2;
+        float dot = 0.0f;
+        for (int p = 0; p < pairs; ++p) {
+          float pair[2] = {key[2 * p], key[2 * p + 1]};
+          rope_rotate(pair, cos_sin + 2 * p);
+          dot += query[2 * p] * pair[0] + query[2 * p + 1] * pair[1];
+        }
+        scores[r] = dot * scale;
+        max_score = std::max(max_score, scores[r]);
+      }
+      float* o = out + std::size_t(i) * dim + h * head_dim;
+      std::fill(o, o + head_dim, 0.0f);
+      if (max_score == minus_inf) continue;  // nothing visible: 0, as below
+      float sum = 0.0f;
+      for (int r = 0; r < kv.rows; ++r)
+        if (scores[r] != minus_inf) sum += (scores[r] = std::exp(scores[r] - max_score));
+      for (int r = 0; r < kv.rows; ++r) {
+        if (scores[r] == minus_inf) continue;  // never read: the row may hold anything
+        const float weight = scores[r] / sum;
+        const float* value = kv.values + std::size_t(r) * kv.row_stride + kv_head * head_dim;
+        for (int d = 0; d < head_dim; ++d) o[d] += weight * value[d];
+      }
+    }
+  };
+
   auto one_head = [&](int h) {
+    if (kv.read_rope) return one_head_rotating_at_read(h);
     const int kv_head = h / group;  // the KV head this query head reads
     float* scores_mem = scratch.data() + h * head_stride;
     for (int q0 = 0; q0 < n; q0 += kQueryBlock) {

@@ -30,6 +30,21 @@ KVS_HOST_DEVICE inline bool key_visible(int query_pos, int key_pos, Window windo
   return query_pos - key_pos < window.size - window.sinks;
 }
 
+// Read-time rotation (chapter 04, StreamingLLM's "positions within the cache"): keys are cached as the model
+// projected them, unrotated, and attention rotates the query and each key it reads by their positions
+// *within the window*: the sinks at 0 .. sinks-1, the recent keys after them in order, the query last. No
+// angle then exceeds window.size - 1, however long the text, while the distance from the query to each
+// recent key stays the true one (RoPE scores depend on that distance only); only the sinks move closer.
+// Before the window is full these are the absolute positions. The one definition, host and device.
+KVS_HOST_DEVICE inline int rotary_query_position(int query_pos, Window window) {
+  return window.size == 0 || query_pos < window.size ? query_pos : window.size - 1;
+}
+// For a key the query may see (key_visible).
+KVS_HOST_DEVICE inline int rotary_key_position(int query_pos, int key_pos, Window window) {
+  if (key_pos < window.sinks) return key_pos;
+  return rotary_query_position(query_pos, window) - (query_pos - key_pos);
+}
+
 // The keys and values one layer may attend to: `rows` rows of kv_dim floats (n_kv_heads heads of
 // head_dim each), consecutive rows `row_stride` floats apart, in the backend's memory.
 struct KvView {
@@ -43,6 +58,10 @@ struct KvView {
   const int* row_positions = nullptr;
   int first_position = 0;
   Window window = Window{};  // see key_visible
+  // Null: keys were rotated (RoPE) at their absolute positions before they were cached, as the query was.
+  // Otherwise keys and queries are unrotated and attention rotates each by its rotary_*_position, with this
+  // table of [cos, sin] for positions 0 .. window.size - 1: (window.size, head_dim/2, 2), backend memory.
+  const float* read_rope = nullptr;
 
   KVS_HOST_DEVICE int position_of(int row) const {
     return row_positions ? row_positions[row] : first_position + row;
@@ -61,6 +80,9 @@ class KvCache {
   virtual KvView view(int layer) const = 0;
   // Positions cached so far: the next forward pass starts here (0 for a fresh cache).
   virtual int length() const = 0;
+  // Whether the model must leave q and k unrotated, because attention rotates them as it reads (the
+  // views carry read_rope). Only chapter 04's streaming variant says yes.
+  virtual bool rotates_at_read() const { return false; }
 };
 
 // "No cache": the keys and values of the current call only, read straight from the model's k and v

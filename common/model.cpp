@@ -87,8 +87,10 @@ std::span<const float> Model::forward(std::span<const int> tokens, int pos, KvCa
   float *att = att_.data(), *hb = hb_.data(), *hb2 = hb2_.data(), *rope = rope_.data();
 
   kv.prepare(pos, n);
+  // RoPE at the absolute positions, here; or, for a cache that rotates at read time, by attention.
+  const bool rotate_here = !kv.rotates_at_read();
   b.embed(x, token_embedding_, tokens, dim);          // x (n, dim) = embedding rows of the tokens
-  b.rope_table(rope, pos, n, c.head_dim());           // rope (n, head_dim/2, 2)
+  if (rotate_here) b.rope_table(rope, pos, n, c.head_dim());  // rope (n, head_dim/2, 2)
 
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& w = layers_[l];
@@ -97,8 +99,10 @@ std::span<const float> Model::forward(std::span<const int> tokens, int pos, KvCa
     b.matmul(q, xb, w.wq, n, dim, dim);               // q (n, n_heads · head_dim)
     b.matmul(k, xb, w.wk, n, dim, kv_dim);            // k (n, n_kv_heads · head_dim)
     b.matmul(v, xb, w.wv, n, dim, kv_dim);            // v (n, n_kv_heads · head_dim)
-    b.rope(q, rope, n, c.n_heads, c.head_dim());
-    b.rope(k, rope, n, c.n_kv_heads, c.head_dim());
+    if (rotate_here) {
+      b.rope(q, rope, n, c.n_heads, c.head_dim());
+      b.rope(k, rope, n, c.n_kv_heads, c.head_dim());
+    }
     kv.write(l, pos, n, k, v);                        // the cache keeps what later positions will read
     const KvView visible = kv.view(l);                // (rows, kv_dim) keys and values
     if (visible.rows > max_kv_rows_)

@@ -28,4 +28,12 @@ KVS_HOST_DEVICE inline void rope_rotate(float* pair, const float* cos_sin) {
   pair[1] = x0 * cos_sin[1] + x1 * cos_sin[0];
 }
 
+// Element d of the head vector x once rotated, given the [cos, sin] of d's pair: what rope_rotate would
+// leave there, for code that rotates as it reads (read-time rotation, chapter 04).
+KVS_HOST_DEVICE inline float rope_rotated_element(const float* x, int d, const float* cos_sin) {
+  float pair[2] = {x[d & ~1], x[d | 1]};
+  rope_rotate(pair, cos_sin);
+  return pair[d & 1];
+}
+
 }  // namespace kvs

@@ -2,12 +2,14 @@
 // Attention written as plainly as it can be, for one query at a time over any KvView: the oracle the
 // backends' fast attention is compared with (the CPU's blocked Eigen products here; the CUDA kernels
 // later). It reads the view's rows only through position_of and key_visible, and a row a query may not
-// see is never touched, so empty rows may hold anything.
+// see is never touched, so empty rows may hold anything. With read_rope it rotates the query and each
+// key by their rotary positions (kv_cache.h) before the dot product.
 #include <cmath>
 #include <vector>
 
 #include "backend.h"
 #include "kv_cache.h"
+#include "rope.h"
 
 namespace kvs::test {
 
@@ -17,15 +19,23 @@ inline void reference_attention(float* out, const float* q, int pos, int n, cons
   const int head_dim = shape.head_dim, dim = shape.n_heads * head_dim;
   const int group = shape.n_heads / shape.n_kv_heads;
   std::vector<double> weight(kv.rows);
+  std::vector<float> query(head_dim), key(head_dim);
+  // x rotated by the table's row for rotary position `at` (read-time rotation only).
+  auto rotate = [&](std::vector<float>& x, int at) {
+    for (int p = 0; p < head_dim / 2; ++p) rope_rotate(&x[2 * p], kv.read_rope + (std::size_t(at) * (head_dim / 2) + p) * 2);
+  };
   for (int i = 0; i < n; ++i)
     for (int h = 0; h < shape.n_heads; ++h) {
-      const float* query = q + std::size_t(i) * dim + h * head_dim;
+      query.assign(q + std::size_t(i) * dim + h * head_dim, q + std::size_t(i) * dim + (h + 1) * head_dim);
+      if (kv.read_rope) rotate(query, rotary_query_position(pos + i, kv.window));
       const int kv_head = h / group;
       double max_score = -INFINITY;
       for (int r = 0; r < kv.rows; ++r) {
         weight[r] = -INFINITY;
         if (!key_visible(pos + i, kv.position_of(r), kv.window)) continue;
-        const float* key = kv.keys + std::size_t(r) * kv.row_stride + kv_head * head_dim;
+        const float* stored = kv.keys + std::size_t(r) * kv.row_stride + kv_head * head_dim;
+        key.assign(stored, stored + head_dim);
+        if (kv.read_rope) rotate(key, rotary_key_position(pos + i, kv.position_of(r), kv.window));
         double dot = 0;
         for (int d = 0; d < head_dim; ++d) dot += double(query[d]) * key[d];
         weight[r] = dot / std::sqrt(double(head_dim));

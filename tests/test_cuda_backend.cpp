@@ -155,10 +155,12 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
     Backend& b = *backend;
     // Runs the backend's attention over `positions` rows (negative: an empty row holding NaN) for queries
     // at pos .. pos + n - 1 and compares with the reference.
+    // rotate_at_read: keys and queries unrotated, attention rotates them (chapter 04's within-window RoPE).
     auto check = [&](const AttentionShape& shape, const std::vector<int>& positions, bool explicit_positions,
-                     int first_position, Window window, int pos, int n) {
+                     int first_position, Window window, int pos, int n, bool rotate_at_read = false) {
       CAPTURE(shape.n_heads); CAPTURE(shape.n_kv_heads); CAPTURE(shape.head_dim);
       CAPTURE(positions.size()); CAPTURE(pos); CAPTURE(n); CAPTURE(window.size); CAPTURE(window.sinks);
+      CAPTURE(rotate_at_read);
       const int rows = static_cast<int>(positions.size()), kv_dim = shape.n_kv_heads * shape.head_dim;
       const int stride = kv_dim + 3;  // rows further apart than their data: the stride is honoured
       const int dim = shape.n_heads * shape.head_dim;
@@ -168,16 +170,20 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
           for (int j = 0; j < stride; ++j)
             keys[std::size_t(r) * stride + j] = values[std::size_t(r) * stride + j] = std::numeric_limits<float>::quiet_NaN();
       const std::vector<float> q = random_vector(std::size_t(n) * dim, gen);
+      const std::vector<float> table = rotate_at_read ? test::rope_table(window.size, shape.head_dim) : std::vector<float>{};
       const KvView host_view{.keys = keys.data(), .values = values.data(), .rows = rows, .row_stride = stride,
                              .row_positions = explicit_positions ? positions.data() : nullptr,
-                             .first_position = first_position, .window = window};
+                             .first_position = first_position, .window = window,
+                             .read_rope = rotate_at_read ? table.data() : nullptr};
       std::vector<float> want(q.size());
       test::reference_attention(want.data(), q.data(), pos, n, host_view, shape);
 
       Buffer d_keys = test::to_backend(b, keys), d_values = test::to_backend(b, values), d_q = test::to_backend(b, q);
       Buffer d_out(b, q.size()), scratch(b, b.attention_scratch_floats(shape, rows));
+      Buffer d_table = test::to_backend(b, table);
       KvView view = host_view;
       view.keys = d_keys.data(), view.values = d_values.data();
+      if (rotate_at_read) view.read_rope = d_table.data();
       b.attention(d_out.data(), d_q.data(), pos, n, view, shape, {scratch.data(), scratch.size()});
       CHECK(worst_excess(test::from_backend(b, d_out), want, 1e-4f) <= 0);
     };
@@ -200,6 +206,10 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
     std::vector<int> ring = {0, 1, 2, 3, 140, 141, 142, 143, 144, 129, 130, 131, -1, -1, 132, 133};
     check(gqa, ring, true, 0, Window{.size = 12, .sinks = 4}, 144, 1);
     check(mqa, ring, true, 0, Window{.size = 20, .sinks = 4}, 140, 5);
+    // Read-time rotation over the same ring, past the window (sinks moved up to it) and before it fills.
+    check(gqa, ring, true, 0, Window{.size = 12, .sinks = 4}, 144, 1, true);
+    check(mqa, ring, true, 0, Window{.size = 20, .sinks = 4}, 140, 5, true);
+    check(mha, consecutive(33, 0), false, 0, Window{.size = 40, .sinks = 0}, 20, 13, true);
     // Nothing visible at all (a deliberately broken cache): the output is 0, not NaN.
     check(mha, {-1, -1, 500}, true, 0, {}, 10, 1);
   }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "checkpoint.h"
+#include "rope.h"
 
 namespace kvs::test {
 
@@ -27,6 +28,14 @@ inline bool sanitizer_run() {
   return value && std::string(value) == "1";
 }
 inline int test_threads() { return sanitizer_run() ? 1 : 2; }
+
+// [cos, sin] of positions 0 .. positions-1 for every pair of a head (positions, head_dim/2, 2), from rope.h.
+inline std::vector<float> rope_table(int positions, int head_dim) {
+  std::vector<float> table(std::size_t(positions) * head_dim);
+  for (int p = 0; p < positions; ++p)
+    for (int pair = 0; pair < head_dim / 2; ++pair) rope_cos_sin(p, pair, head_dim, &table[(std::size_t(p) * head_dim / 2 + pair) * 2]);
+  return table;
+}
 
 // tokens and the PyTorch reference's logits (n_tokens, vocab), as written by data/reference/make_golden.py
 struct GoldenLogits {

@@ -9,8 +9,16 @@
 // slots, because a forward pass writes all its positions before its queries attend (see ring.h): decoding
 // (one position per call) needs exactly window.size slots; a prefill in chunks of C needs C - 1 more.
 //
-// Keys are stored rotated by RoPE at their absolute position, as the model computes them: exact inside the
-// model's trained context, refused past it (a position the model never saw in training).
+// Where keys sit for RoPE, two variants (KeyPositions):
+//   kAbsolute      keys are stored rotated at their absolute position, as the model computes them: exact
+//                  inside the model's trained context, refused past it (a sink's distance from the query
+//                  would grow past anything the model saw in training);
+//   kWithinWindow  keys are stored unrotated and attention rotates them, and the query, at their positions
+//                  within the window (StreamingLLM; kv_cache.h's rotary_*_position): no angle exceeds
+//                  window.size - 1, so generation runs on past the trained context with constant memory. The
+//                  price: every step rotates every visible key again (O(window) rotations per layer and
+//                  head), and the sinks no longer sit at their true distance.
+// Before the first eviction the two compute the same thing (the rotary positions are the absolute ones).
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -24,18 +32,31 @@
 
 namespace kvs::ch04 {
 
+enum class KeyPositions { kAbsolute, kWithinWindow };
+
+inline const char* to_string(KeyPositions positions) {
+  return positions == KeyPositions::kAbsolute ? "absolute" : "within-window";
+}
+
 class SlidingWindowKvCache final : public KvCache {
  public:
-  SlidingWindowKvCache(Backend& backend, const ModelConfig& config, Window window, int max_tokens_per_call)
+  SlidingWindowKvCache(Backend& backend, const ModelConfig& config, Window window, int max_tokens_per_call,
+                       KeyPositions positions = KeyPositions::kAbsolute)
       : backend_(backend),
         kv_dim_(config.kv_dim()),
         n_layers_(config.n_layers),
         max_positions_(config.seq_len),
         max_tokens_per_call_(max_tokens_per_call),
-        window_(check(window, max_tokens_per_call)),
+        positions_(positions),
+        window_(check(window, max_tokens_per_call, positions, config.seq_len)),
         ring_{window.size + max_tokens_per_call - 1, window.sinks},
         storage_(backend, std::size_t(config.n_layers) * 2 * ring_.slots * config.kv_dim()),
-        slot_positions_(ring_.slots, -1) {}
+        slot_positions_(ring_.slots, -1) {
+    if (positions_ == KeyPositions::kWithinWindow) {  // [cos, sin] of positions 0 .. window - 1, once
+      read_rope_ = Buffer(backend, std::size_t(window.size) * config.head_dim());
+      backend.rope_table(read_rope_.data(), 0, window.size, config.head_dim());
+    }
+  }
 
   void prepare(int pos, int n) override {
     if (pos != length_)
@@ -45,10 +66,11 @@ class SlidingWindowKvCache final : public KvCache {
       throw std::invalid_argument("SlidingWindowKvCache: " + std::to_string(n) + " positions in one call; this ring "
                                   "was built for calls of at most " + std::to_string(max_tokens_per_call_) +
                                   " (prefill in chunks of that size)");
-    if (pos + n > max_positions_)
+    if (positions_ == KeyPositions::kAbsolute && pos + n > max_positions_)
       throw std::invalid_argument("SlidingWindowKvCache: position " + std::to_string(pos + n - 1) +
                                   " is past the model's trained context of " + std::to_string(max_positions_) +
-                                  "; keys rotated at absolute positions are only exact inside it");
+                                  "; keys rotated at absolute positions are only exact inside it (use the "
+                                  "within-window positions to generate further)");
     for (int p = pos; p < pos + n; ++p) slot_positions_[ring_.write_slot(p)] = p;
     length_ = pos + n;
   }
@@ -67,12 +89,15 @@ class SlidingWindowKvCache final : public KvCache {
   KvView view(int layer) const override {
     return KvView{.keys = storage_.data() + block(layer, 0), .values = storage_.data() + block(layer, 1),
                   .rows = ring_.slots, .row_stride = kv_dim_, .row_positions = slot_positions_.data(),
-                  .first_position = 0, .window = window_};
+                  .first_position = 0, .window = window_, .read_rope = read_rope_.data()};
   }
 
   int length() const override { return length_; }
+  bool rotates_at_read() const override { return positions_ == KeyPositions::kWithinWindow; }
+  KeyPositions positions() const { return positions_; }
   int slots() const { return ring_.slots; }
   const Window& window() const { return window_; }
+  // The keys and values; the within-window variant adds its rotation table (window · head_dim floats).
   std::int64_t allocated_bytes() const { return std::int64_t(storage_.size()) * sizeof(float); }
   // -1 when the cache is not in host memory (a GPU's pages are not the operating system's to count).
   std::int64_t resident_bytes() const {
@@ -81,12 +106,16 @@ class SlidingWindowKvCache final : public KvCache {
   }
 
  private:
-  static Window check(Window window, int max_tokens_per_call) {
+  static Window check(Window window, int max_tokens_per_call, KeyPositions positions, int seq_len) {
     if (window.size < 1 || window.sinks < 0 || window.sinks >= window.size || max_tokens_per_call < 1)
       throw std::invalid_argument("SlidingWindowKvCache: a window of " + std::to_string(window.size) + " keys with " +
                                   std::to_string(window.sinks) + " sinks and calls of " +
                                   std::to_string(max_tokens_per_call) +
                                   " positions; need 0 <= sinks < window and calls of at least 1 position");
+    if (positions == KeyPositions::kWithinWindow && window.size > seq_len)
+      throw std::invalid_argument("SlidingWindowKvCache: a window of " + std::to_string(window.size) +
+                                  " keys rotated within the window reaches positions past the model's trained "
+                                  "context of " + std::to_string(seq_len) + "; use a window of at most that");
     return window;
   }
   // Offset of a layer's keys (kv = 0) or values (kv = 1): a (slots, kv_dim) block.
@@ -94,10 +123,12 @@ class SlidingWindowKvCache final : public KvCache {
 
   Backend& backend_;
   int kv_dim_, n_layers_, max_positions_, max_tokens_per_call_;
+  KeyPositions positions_;
   Window window_;
   Ring ring_;
   Buffer storage_;                   // (layers, 2, slots, kv_dim)
   std::vector<int> slot_positions_;  // (slots) the position each slot holds, -1: never written
+  Buffer read_rope_;                 // (window, head_dim/2, 2), kWithinWindow only
   int length_ = 0;
 };
 

@@ -116,21 +116,32 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
   const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));
   const float minus_inf = -INFINITY;
 
+  // Read-time rotation (kv.read_rope, chapter 04): the query and each key are rotated as they are loaded,
+  // by their rotary positions (kv_cache.h), with the table's [cos, sin] of each element's pair.
+  const float* table = kv.read_rope;  // (window.size, pairs, 2) or null: q and keys arrive rotated
+  const int pairs = head_dim / 2;
+  const float* query_row = q + std::size_t(i) * dim + h * head_dim;
+  const float* query_cos_sin = table ? table + std::size_t(rotary_query_position(query_pos, kv.window)) * pairs * 2 : nullptr;
   float query[kPerLane], values[kPerLane];
   for (int j = 0; j < kPerLane; ++j) {
     const int d = lane + j * kWarp;
-    query[j] = d < head_dim ? q[std::size_t(i) * dim + h * head_dim + d] : 0.0f;
+    query[j] = d >= head_dim ? 0.0f
+               : table       ? rope_rotated_element(query_row, d, query_cos_sin + (d / 2) * 2)
+                             : query_row[d];
     values[j] = 0.0f;
   }
   float running_max = minus_inf, total = 0.0f;
   for (int r = warp; r < kv.rows; r += warps) {
-    if (!key_visible(query_pos, kv.position_of(r), kv.window)) continue;  // the same r in every lane
+    const int key_pos = kv.position_of(r);
+    if (!key_visible(query_pos, key_pos, kv.window)) continue;  // the same r in every lane
     const float* key = kv.keys + std::size_t(r) * kv.row_stride + kv_offset;
     const float* value = kv.values + std::size_t(r) * kv.row_stride + kv_offset;
+    const float* key_cos_sin =
+        table ? table + std::size_t(rotary_key_position(query_pos, key_pos, kv.window)) * pairs * 2 : nullptr;
     float dot = 0.0f;
     for (int j = 0; j < kPerLane; ++j) {
       const int d = lane + j * kWarp;
-      if (d < head_dim) dot += query[j] * key[d];
+      if (d < head_dim) dot += query[j] * (table ? rope_rotated_element(key, d, key_cos_sin + (d / 2) * 2) : key[d]);
     }
     const float score = warp_sum(dot) * scale;
     const float new_max = fmaxf(running_max, score);
@@ -253,6 +264,8 @@ class CudaBackend final : public Backend {
     if (shape.head_dim > kMaxHeadDim)
       throw std::invalid_argument("attention: head_dim " + std::to_string(shape.head_dim) +
                                   " is larger than the CUDA kernel's " + std::to_string(kMaxHeadDim));
+    if (kv.read_rope && kv.window.size < 1)
+      throw std::invalid_argument("attention: read-time rotation needs a window (its table covers its positions)");
     KvView device_view = kv;
     // Per-row positions live in host memory today (a cache's bookkeeping): the kernel reads a copy.
     if (kv.row_positions)
