@@ -59,9 +59,11 @@ class Backend {
   // rotate x (n, heads, head_dim) in place with the table of the same n positions
   virtual void rope(float* x, const float* table, int n, int heads, int head_dim) = 0;
   // out (n, n_heads·head_dim) = softmax(q kᵀ / sqrt(head_dim), masked by key_visible) v for queries
-  // q (n, n_heads·head_dim) at positions pos .. pos + n - 1, over the rows of `kv`
+  // q (n, n_heads·head_dim) at positions pos .. pos + n - 1, over the rows of `kv`. If `weights` is not
+  // null it receives the softmax weights themselves, (n, n_heads, kv.rows), 0 on rows a query may not see:
+  // the one attention implementation, observed (chapters 04-05), not a second copy of it.
   virtual void attention(float* out, const float* q, int pos, int n, const KvView& kv,
-                         const AttentionShape& shape, std::span<float> scratch) = 0;
+                         const AttentionShape& shape, std::span<float> scratch, float* weights) = 0;
   // gate (count) = silu(gate) ⊙ up
   virtual void swiglu(float* gate, const float* up, std::size_t count) = 0;
   // x (count) += y

@@ -91,7 +91,7 @@ void CpuBackend::rope(float* x, const float* table, int n, int heads, int head_d
 }
 
 void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvView& kv,
-                           const AttentionShape& shape, std::span<float> scratch) {
+                           const AttentionShape& shape, std::span<float> scratch, float* weights) {
   // Each head owns a fixed slice of the scratch, (kQueryBlock, max_rows) scores and a rotated query,
   // whatever this view's size.
   const std::size_t head_stride = scratch.size() / shape.n_heads;
@@ -135,7 +135,9 @@ void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvV
         max_score = std::max(max_score, scores[r]);
       }
       float* o = out + std::size_t(i) * dim + h * head_dim;
+      float* observed = weights ? weights + (std::size_t(i) * shape.n_heads + h) * kv.rows : nullptr;
       std::fill(o, o + head_dim, 0.0f);
+      if (observed) std::fill(observed, observed + kv.rows, 0.0f);
       if (max_score == minus_inf) continue;  // nothing visible: 0, as below
       float sum = 0.0f;
       for (int r = 0; r < kv.rows; ++r)
@@ -143,6 +145,7 @@ void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvV
       for (int r = 0; r < kv.rows; ++r) {
         if (scores[r] == minus_inf) continue;  // never read: the row may hold anything
         const float weight = scores[r] / sum;
+        if (observed) observed[r] = weight;
         const float* value = kv.values + std::size_t(r) * kv.row_stride + kv_head * head_dim;
         for (int d = 0; d < head_dim; ++d) o[d] += weight * value[d];
       }
@@ -194,6 +197,12 @@ void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvV
         const float inv_sum = 1.0f / sum;
         for (int r = 0; r < rows; ++r) s[r] *= inv_sum;
       }
+      if (weights)  // the rows cut off above are future for every query of the block: weight 0
+        for (int i = 0; i < nq; ++i) {
+          float* observed = weights + (std::size_t(q0 + i) * shape.n_heads + h) * kv.rows;
+          std::copy(S.row(i).data(), S.row(i).data() + rows, observed);
+          std::fill(observed + rows, observed + kv.rows, 0.0f);
+        }
       if (!unseen_row) {
         O.noalias() = S * V;  // every row is seen by some query of the block: its bytes are real keys/values
         continue;

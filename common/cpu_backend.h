@@ -29,7 +29,7 @@ class CpuBackend final : public Backend {
   void rope_table(float* table, int pos, int n, int head_dim) override;
   void rope(float* x, const float* table, int n, int heads, int head_dim) override;
   void attention(float* out, const float* q, int pos, int n, const KvView& kv, const AttentionShape& shape,
-                 std::span<float> scratch) override;
+                 std::span<float> scratch, float* weights) override;
   void swiglu(float* gate, const float* up, std::size_t count) override;
   void add(float* x, const float* y, std::size_t count) override;
 

@@ -68,6 +68,15 @@ Model::Model(const Checkpoint& checkpoint, Backend& backend, int max_tokens_per_
   host_logits_.resize(size.host_floats());
 }
 
+void Model::observe_attention(AttentionObserver* observer) {
+  if (observer && observed_weights_.size() == 0) {
+    const std::size_t floats = std::size_t(max_tokens_) * config_.n_heads * max_kv_rows_;
+    observed_weights_ = Buffer(backend_, floats);
+    host_weights_.resize(floats);
+  }
+  observer_ = observer;
+}
+
 std::span<const float> Model::forward(std::span<const int> tokens, int pos, KvCache* cache, Logits which) {
   const ModelConfig& c = config_;
   const int n = static_cast<int>(tokens.size());
@@ -108,7 +117,13 @@ std::span<const float> Model::forward(std::span<const int> tokens, int pos, KvCa
     if (visible.rows > max_kv_rows_)
       throw std::invalid_argument("forward: the cache shows " + std::to_string(visible.rows) +
                                   " rows; this model was set up for at most " + std::to_string(max_kv_rows_));
-    b.attention(att, q, pos, n, visible, shape, {scratch_.data(), scratch_.size()});  // att (n, dim)
+    float* weights = observer_ ? observed_weights_.data() : nullptr;  // (n, n_heads, rows) when observed
+    b.attention(att, q, pos, n, visible, shape, {scratch_.data(), scratch_.size()}, weights);  // att (n, dim)
+    if (observer_) {
+      const std::size_t count = std::size_t(n) * c.n_heads * visible.rows;
+      b.to_host(host_weights_.data(), weights, count);
+      observer_->on_attention(l, pos, n, visible, {host_weights_.data(), count});
+    }
     b.matmul(xb, att, w.wo, n, dim, dim);             // xb (n, dim)
     b.add(x, xb, std::size_t(n) * dim);
 

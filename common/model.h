@@ -12,6 +12,17 @@ namespace kvs {
 
 enum class Logits { kLastPosition, kAllPositions };
 
+// Sees every layer's attention weights as the forward pass computes them (chapters 04-05 measure where
+// attention goes; nothing is recomputed). Called after each layer's attention.
+class AttentionObserver {
+ public:
+  virtual ~AttentionObserver() = default;
+  // weights (n, n_heads, view.rows), host memory valid during the call: the softmax weight each query
+  // position pos .. pos+n-1 and head puts on each row of `view` (0 on rows it may not see). view is what
+  // the cache showed this layer: view.position_of(r) says which position row r holds.
+  virtual void on_attention(int layer, int pos, int n, const KvView& view, std::span<const float> weights) = 0;
+};
+
 class Model {
  public:
   // The model reads its weights through `backend` (the CPU reads the mapped checkpoint in place, so the
@@ -28,6 +39,10 @@ class Model {
   // naive full recompute). Allocates nothing. Throws std::invalid_argument for a call that does not fit.
   std::span<const float> forward(std::span<const int> tokens, int pos, KvCache* cache = nullptr,
                                  Logits which = Logits::kLastPosition);
+
+  // Attach an observer (null detaches). The first attach allocates (max_tokens_per_call, n_heads,
+  // max_kv_rows) floats on the backend and on the host, so observed decoding still allocates nothing.
+  void observe_attention(AttentionObserver* observer);
 
   // Bytes of working buffers a model set up this way allocates (device and host), before it is built.
   static std::int64_t working_bytes(const ModelConfig& config, const Backend& backend, int max_tokens_per_call,
@@ -64,6 +79,9 @@ class Model {
   Buffer scratch_;   // attention scores, sized by the backend
   std::vector<float> host_logits_;  // (N, vocab)
   CallLocalKv call_local_;
+  AttentionObserver* observer_ = nullptr;
+  Buffer observed_weights_;         // (N, n_heads, max_kv_rows) once an observer is attached
+  std::vector<float> host_weights_; // (N, n_heads, max_kv_rows)
 };
 
 }  // namespace kvs

@@ -13,9 +13,10 @@
 
 namespace kvs::test {
 
-// out (n, n_heads·head_dim) for queries q (n, n_heads·head_dim) at positions pos .. pos+n-1.
+// out (n, n_heads·head_dim) for queries q (n, n_heads·head_dim) at positions pos .. pos+n-1; the softmax
+// weights too, (n, n_heads, rows), if `weights` is not null.
 inline void reference_attention(float* out, const float* q, int pos, int n, const KvView& kv,
-                                const AttentionShape& shape) {
+                                const AttentionShape& shape, float* weights = nullptr) {
   const int head_dim = shape.head_dim, dim = shape.n_heads * head_dim;
   const int group = shape.n_heads / shape.n_kv_heads;
   std::vector<double> weight(kv.rows);
@@ -52,6 +53,10 @@ inline void reference_attention(float* out, const float* q, int pos, int n, cons
             acc += weight[r] / sum * kv.values[std::size_t(r) * kv.row_stride + kv_head * head_dim + d];
         o[d] = static_cast<float>(acc);  // 0 when nothing is visible, as the backends give
       }
+      if (weights)
+        for (int r = 0; r < kv.rows; ++r)
+          weights[(std::size_t(i) * shape.n_heads + h) * kv.rows + r] =
+              weight[r] == -INFINITY ? 0.0f : static_cast<float>(weight[r] / sum);
     }
 }
 

@@ -59,13 +59,23 @@ float compare_with_reference(CpuBackend& backend, const AttentionShape& shape, c
   std::vector<float> q(std::size_t(n) * dim), out(q.size()), expected(q.size());
   for (float& x : q) x = normal(gen);
   std::vector<float> scratch(backend.attention_scratch_floats(shape, view.rows));
-  backend.attention(out.data(), q.data(), pos, n, view, shape, scratch);
-  test::reference_attention(expected.data(), q.data(), pos, n, view, shape);
+  // The weights as an observer sees them, compared too (poisoned first: every entry must be written).
+  std::vector<float> weights(std::size_t(n) * shape.n_heads * view.rows, NAN), expected_weights(weights.size());
+  backend.attention(out.data(), q.data(), pos, n, view, shape, scratch, weights.data());
+  test::reference_attention(expected.data(), q.data(), pos, n, view, shape, expected_weights.data());
   float worst = 0;
   for (std::size_t i = 0; i < out.size(); ++i) {
     if (!std::isfinite(out[i])) return INFINITY;
     worst = std::max(worst, std::abs(out[i] - expected[i]));
   }
+  for (std::size_t i = 0; i < weights.size(); ++i) {
+    if (!std::isfinite(weights[i])) return INFINITY;
+    worst = std::max(worst, std::abs(weights[i] - expected_weights[i]));
+  }
+  // Without weights requested, the output is the same.
+  std::vector<float> plain(out.size());
+  backend.attention(plain.data(), q.data(), pos, n, view, shape, scratch, nullptr);
+  if (plain != out) return INFINITY;
   return worst;
 }
 

@@ -175,8 +175,8 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
                              .row_positions = explicit_positions ? positions.data() : nullptr,
                              .first_position = first_position, .window = window,
                              .read_rope = rotate_at_read ? table.data() : nullptr};
-      std::vector<float> want(q.size());
-      test::reference_attention(want.data(), q.data(), pos, n, host_view, shape);
+      std::vector<float> want(q.size()), want_weights(std::size_t(n) * shape.n_heads * rows);
+      test::reference_attention(want.data(), q.data(), pos, n, host_view, shape, want_weights.data());
 
       Buffer d_keys = test::to_backend(b, keys), d_values = test::to_backend(b, values), d_q = test::to_backend(b, q);
       Buffer d_out(b, q.size()), scratch(b, b.attention_scratch_floats(shape, rows));
@@ -184,8 +184,13 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
       KvView view = host_view;
       view.keys = d_keys.data(), view.values = d_values.data();
       if (rotate_at_read) view.read_rope = d_table.data();
-      b.attention(d_out.data(), d_q.data(), pos, n, view, shape, {scratch.data(), scratch.size()});
+      b.attention(d_out.data(), d_q.data(), pos, n, view, shape, {scratch.data(), scratch.size()}, nullptr);
       CHECK(worst_excess(test::from_backend(b, d_out), want, 1e-4f) <= 0);
+      // Observed: the same output, and the weights (poisoned first, so every entry must be written).
+      Buffer d_weights = test::to_backend(b, std::vector<float>(want_weights.size(), NAN));
+      b.attention(d_out.data(), d_q.data(), pos, n, view, shape, {scratch.data(), scratch.size()}, d_weights.data());
+      CHECK(worst_excess(test::from_backend(b, d_out), want, 1e-4f) <= 0);
+      CHECK(worst_excess(test::from_backend(b, d_weights), want_weights, 1e-5f) <= 0);
     };
     auto consecutive = [](int rows, int first) {
       std::vector<int> p(rows);

@@ -260,3 +260,39 @@ TEST_CASE("sliding window: after 10 W tokens the cache is still its slots, and p
   CHECK_THROWS_WITH(tail.prepare(c.seq_len, 1), doctest::Contains("past the model's trained context"));
   CHECK_THROWS_WITH(ch04::SlidingWindowKvCache(backend, c, {4, 4}, 1), doctest::Contains("0 <= sinks < window"));
 }
+
+TEST_CASE("attention observer: every layer's weights, summing to 1 over the visible rows, and observing changes nothing") {
+  const Checkpoint checkpoint(test::golden_path("gqa.bin"));
+  const ModelConfig& c = checkpoint.config();
+  CpuBackend backend(1);
+  Model model(checkpoint, backend, 4);
+  struct Recorder final : AttentionObserver {
+    int heads = 0, calls = 0;
+    double worst_sum_error = 0, hidden_weight = 0;
+    void on_attention(int, int pos, int n, const KvView& view, std::span<const float> weights) override {
+      ++calls;
+      REQUIRE(weights.size() == std::size_t(n) * heads * view.rows);
+      for (int i = 0; i < n; ++i)
+        for (int h = 0; h < heads; ++h) {
+          double sum = 0;
+          for (int r = 0; r < view.rows; ++r) {
+            const float w = weights[(std::size_t(i) * heads + h) * view.rows + r];
+            if (key_visible(pos + i, view.position_of(r), view.window)) sum += w;
+            else hidden_weight += std::abs(w);
+          }
+          worst_sum_error = std::max(worst_sum_error, std::abs(sum - 1));
+        }
+    }
+  } recorder;
+  recorder.heads = c.n_heads;
+  const std::vector<int> tokens = random_tokens(30, c.vocab_size, 4);
+  ch04::SlidingWindowKvCache plain(backend, c, {8, 2}, 4), observed(backend, c, {8, 2}, 4);
+  const std::vector<float> want = all_logits(model, plain, tokens, 4);
+  model.observe_attention(&recorder);
+  const std::vector<float> got = all_logits(model, observed, tokens, 4);
+  model.observe_attention(nullptr);
+  CHECK(got == want);
+  CHECK(recorder.calls == c.n_layers * 8);  // 30 positions in calls of 4: 8 calls
+  CHECK(recorder.worst_sum_error < 1e-5);
+  CHECK(recorder.hidden_weight == 0);
+}

@@ -100,13 +100,15 @@ __global__ void rope_kernel(float* x, const float* table, int n, int heads, int 
 // computes query i's head h. Warp w visits rows w, w + warps, ...; a row that key_visible hides is skipped whole (its keys and values are
 // never read, so an empty slot's bytes, NaN included, cannot leak in). Within a row, lane l holds the
 // elements l, l + 32, ... of q, k, v (head_dim <= kMaxHeadDim). At the end the warps' partial results are
-// merged through shared memory.
+// merged through shared memory. With `weights` (n, n_heads, rows) the warps then visit their rows again
+// and write each row's softmax weight (0 for a hidden row): an observer's second pass, off by default.
 constexpr int kMaxAttentionWarps = 16;
 constexpr int kMaxHeadDim = 256;
 constexpr int kPerLane = kMaxHeadDim / kWarp;
 
 __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
-    attention_kernel(float* out, const float* q, int pos, KvView kv, int n_heads, int group, int head_dim) {
+    attention_kernel(float* out, float* weights, const float* q, int pos, KvView kv, int n_heads, int group,
+                     int head_dim) {
   __shared__ float warp_max[kMaxAttentionWarps];
   __shared__ float warp_total[kMaxAttentionWarps];
   __shared__ float warp_values[kMaxAttentionWarps][kMaxHeadDim];
@@ -130,12 +132,9 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
                              : query_row[d];
     values[j] = 0.0f;
   }
-  float running_max = minus_inf, total = 0.0f;
-  for (int r = warp; r < kv.rows; r += warps) {
-    const int key_pos = kv.position_of(r);
-    if (!key_visible(query_pos, key_pos, kv.window)) continue;  // the same r in every lane
+  // The scaled score of visible row r (the same in every lane of the warp).
+  auto score_of = [&](int r, int key_pos) {
     const float* key = kv.keys + std::size_t(r) * kv.row_stride + kv_offset;
-    const float* value = kv.values + std::size_t(r) * kv.row_stride + kv_offset;
     const float* key_cos_sin =
         table ? table + std::size_t(rotary_key_position(query_pos, key_pos, kv.window)) * pairs * 2 : nullptr;
     float dot = 0.0f;
@@ -143,7 +142,14 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
       const int d = lane + j * kWarp;
       if (d < head_dim) dot += query[j] * (table ? rope_rotated_element(key, d, key_cos_sin + (d / 2) * 2) : key[d]);
     }
-    const float score = warp_sum(dot) * scale;
+    return warp_sum(dot) * scale;
+  };
+  float running_max = minus_inf, total = 0.0f;
+  for (int r = warp; r < kv.rows; r += warps) {
+    const int key_pos = kv.position_of(r);
+    if (!key_visible(query_pos, key_pos, kv.window)) continue;  // the same r in every lane
+    const float* value = kv.values + std::size_t(r) * kv.row_stride + kv_offset;
+    const float score = score_of(r, key_pos);
     const float new_max = fmaxf(running_max, score);
     const float rescale = expf(running_max - new_max);  // 0 for the first visible row
     const float weight = expf(score - new_max);
@@ -170,6 +176,14 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
       if (warp_max[w] != minus_inf) o += warp_values[w][d] * expf(warp_max[w] - block_max);
     // Nothing visible (only a deliberately broken cache gets here): 0, as the CPU backend.
     out[std::size_t(i) * dim + h * head_dim + d] = block_total > 0.0f ? o / block_total : 0.0f;
+  }
+  if (!weights) return;
+  float* observed = weights + (std::size_t(i) * n_heads + h) * kv.rows;
+  for (int r = warp; r < kv.rows; r += warps) {
+    const int key_pos = kv.position_of(r);
+    const bool visible = key_visible(query_pos, key_pos, kv.window);
+    const float weight = visible ? expf(score_of(r, key_pos) - block_max) / block_total : 0.0f;
+    if (lane == 0) observed[r] = weight;
   }
 }
 
@@ -260,7 +274,7 @@ class CudaBackend final : public Backend {
                x, table, n, heads, head_dim);
   }
   void attention(float* out, const float* q, int pos, int n, const KvView& kv, const AttentionShape& shape,
-                 std::span<float>) override {
+                 std::span<float>, float* weights) override {
     if (shape.head_dim > kMaxHeadDim)
       throw std::invalid_argument("attention: head_dim " + std::to_string(shape.head_dim) +
                                   " is larger than the CUDA kernel's " + std::to_string(kMaxHeadDim));
@@ -273,7 +287,7 @@ class CudaBackend final : public Backend {
     // Decoding, one query per head: few blocks, so more warps per block share the rows (one per 64 rows, up
     // to 16). Prefill has a block per query and head already: 4 warps.
     const int warps = n == 1 ? std::clamp(kv.rows / 64, 1, kMaxAttentionWarps) : 4;
-    KVS_LAUNCH(attention_kernel, dim3(shape.n_heads, n), dim3(warps * kWarp), 0, nullptr, out, q, pos,
+    KVS_LAUNCH(attention_kernel, dim3(shape.n_heads, n), dim3(warps * kWarp), 0, nullptr, out, weights, q, pos,
                device_view, shape.n_heads, shape.n_heads / shape.n_kv_heads, shape.head_dim);
   }
   void swiglu(float* gate, const float* up, std::size_t count) override {
