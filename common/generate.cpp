@@ -12,6 +12,10 @@ double Generation::decode_median_ms() const {
   return step_ms.size() < 2 ? 0.0 : median(std::vector<double>(step_ms.begin() + 1, step_ms.end()));
 }
 
+double Generation::decode_percentile_ms(double q) const {
+  return step_ms.size() < 2 ? 0.0 : percentile(std::vector<double>(step_ms.begin() + 1, step_ms.end()), q);
+}
+
 namespace {
 
 Generation start(std::span<const int> prompt, int max_new_tokens) {

@@ -8,6 +8,13 @@
 
 namespace kvs {
 
+double next_token_nats(const float* logits, int vocab, int target) {
+  const float max_logit = *std::max_element(logits, logits + vocab);
+  double sum = 0;
+  for (int v = 0; v < vocab; ++v) sum += std::exp(double(logits[v]) - max_logit);
+  return std::log(sum) + max_logit - logits[target];
+}
+
 Perplexity evaluate_perplexity(Model& model, std::span<const int> tokens, int context,
                                const std::function<void(int, int)>& on_chunk) {
   if (tokens.size() > std::size_t(INT32_MAX)) throw std::invalid_argument("the text is larger than 2 GiB");
@@ -27,13 +34,8 @@ Perplexity evaluate_perplexity(Model& model, std::span<const int> tokens, int co
   for (int start = 0; start < n - 1; start += context) {
     const int len = std::min(context, n - 1 - start);  // inputs; targets are the next `len` tokens
     const auto logits = model.forward(tokens.subspan(start, len), 0, nullptr, Logits::kAllPositions);
-    for (int i = 0; i < len; ++i) {
-      const float* row = logits.data() + std::size_t(i) * vocab;
-      const float max_logit = *std::max_element(row, row + vocab);
-      double sum = 0;
-      for (int v = 0; v < vocab; ++v) sum += std::exp(double(row[v]) - max_logit);
-      nats += std::log(sum) + max_logit - row[tokens[start + i + 1]];  // -log p(next token)
-    }
+    for (int i = 0; i < len; ++i)
+      nats += next_token_nats(logits.data() + std::size_t(i) * vocab, vocab, tokens[start + i + 1]);
     result.predicted += len;
     ++result.chunks;
     if (on_chunk) on_chunk(result.chunks, total_chunks);

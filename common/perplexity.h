@@ -20,6 +20,9 @@ struct Perplexity {
   int chunks = 0;
 };
 
+// -log p(target) in nats under the softmax of one row of logits (vocab): what every evaluation sums.
+double next_token_nats(const float* logits, int vocab, int target);
+
 // on_chunk(done, total) is called after every chunk (for progress). Throws std::invalid_argument when the
 // text has fewer than 2 tokens or the context exceeds what the model was set up for.
 Perplexity evaluate_perplexity(Model& model, std::span<const int> tokens, int context,

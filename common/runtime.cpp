@@ -22,7 +22,7 @@ Checkpoint load_for_chapters(const CommonOptions& options) {
 
 // The longest sequence the run will process, after checking that the prompt fits; then the memory check.
 MemoryPlan plan_run(const CommonOptions& options, const Checkpoint& checkpoint, const Backend& backend,
-                    std::size_t prompt_tokens, PromptFit fit, int longest_sequence) {
+                    std::size_t prompt_tokens, PromptFit fit, int longest_sequence, int kv_rows) {
   const int context = checkpoint.config().seq_len;
   if (prompt_tokens == 0) throw UsageError("the prompt is empty; pass --prompt TEXT");
   const long needed = static_cast<long>(prompt_tokens) + options.max_new_tokens;
@@ -31,14 +31,15 @@ MemoryPlan plan_run(const CommonOptions& options, const Checkpoint& checkpoint, 
                      std::to_string(options.max_new_tokens) + " exceeds the model's context of " +
                      std::to_string(context) + " positions; shorten the prompt or lower --max-new-tokens");
   const int positions = static_cast<int>(std::min<long>(longest_sequence > 0 ? longest_sequence : needed, context));
-  MemoryPlan plan = plan_memory(checkpoint, backend, std::max(positions, 1), positions);
+  MemoryPlan plan = plan_memory(checkpoint, backend, std::max(positions, 1), positions, kv_rows);
   check_memory(plan, options.memory_limit);
   return plan;
 }
 
 }  // namespace
 
-Runtime::Runtime(const CommonOptions& options, const std::string& default_prompt, PromptFit fit, int longest_sequence)
+Runtime::Runtime(const CommonOptions& options, const std::string& default_prompt, PromptFit fit, int longest_sequence,
+                 int kv_rows)
     : checkpoint(load_for_chapters(options)),
       prompt_file(options.prompt_file),
       prompt(encode_bytes(resolve_prompt(options, default_prompt))),
@@ -46,8 +47,8 @@ Runtime::Runtime(const CommonOptions& options, const std::string& default_prompt
       memory_limit(options.memory_limit),
       backend_owner(make_backend(options.backend, options.threads)),
       backend(*backend_owner),
-      memory(plan_run(options, checkpoint, backend, prompt.size(), fit, longest_sequence)),
-      model(checkpoint, backend, memory.positions, memory.positions) {}
+      memory(plan_run(options, checkpoint, backend, prompt.size(), fit, longest_sequence, kv_rows)),
+      model(checkpoint, backend, memory.positions, memory.kv_rows) {}
 
 int Runtime::cpu_threads() const {
   const auto* cpu = dynamic_cast<const CpuBackend*>(&backend);
@@ -61,12 +62,15 @@ void Runtime::plan_kv_cache(std::int64_t bytes) {
   memory = plan;
 }
 
-MemoryPlan plan_memory(const Checkpoint& checkpoint, const Backend& backend, int positions, int cache_positions) {
+MemoryPlan plan_memory(const Checkpoint& checkpoint, const Backend& backend, int positions, int cache_positions,
+                       int kv_rows) {
   const ModelConfig& c = checkpoint.config();
+  if (kv_rows <= 0) kv_rows = positions;
   return MemoryPlan{.weights = static_cast<std::int64_t>(checkpoint.file_bytes()),
-                    .working = Model::working_bytes(c, backend, positions, positions),
+                    .working = Model::working_bytes(c, backend, positions, kv_rows),
                     .kv_cache = kv_cache_bytes(c, cache_positions),
-                    .positions = positions};
+                    .positions = positions,
+                    .kv_rows = kv_rows};
 }
 
 std::string MemoryPlan::describe() const {

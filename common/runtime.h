@@ -25,13 +25,15 @@ struct MemoryPlan {
   std::int64_t weights = 0;         // the checkpoint's tensors (mapped from the file on the CPU)
   std::int64_t working = 0;         // the model's working buffers (Model::working_bytes)
   std::int64_t kv_cache = 0;        // the KV cache of the run's longest sequence (0: no cache)
-  int positions = 0;                // the longest sequence: what the buffers and the cache are sized for
+  int positions = 0;                // the longest call: what the buffers and the cache are sized for
+  int kv_rows = 0;                  // the most rows a cache shows attention
   std::int64_t total() const { return weights + working + kv_cache; }
   std::string describe() const;     // one line for stderr
 };
-// The plan for a model whose calls take up to `positions` tokens and whose attention reads up to that
-// many rows, with a KV cache of `cache_positions` positions.
-MemoryPlan plan_memory(const Checkpoint& checkpoint, const Backend& backend, int positions, int cache_positions);
+// The plan for a model whose calls take up to `positions` tokens and whose attention reads up to
+// `kv_rows` rows (0: `positions`), with a KV cache of `cache_positions` positions.
+MemoryPlan plan_memory(const Checkpoint& checkpoint, const Backend& backend, int positions, int cache_positions,
+                       int kv_rows = 0);
 // Throws UsageError, naming --memory-limit and what needs the memory, when the plan exceeds `limit`.
 void check_memory(const MemoryPlan& plan, std::int64_t limit);
 
@@ -43,9 +45,10 @@ class Runtime {
  public:
   // Throws UsageError or std::runtime_error (CheckpointError) with a one-line reason when something does
   // not fit. The model's buffers are sized for `longest_sequence` positions (0: the prompt plus
-  // --max-new-tokens), at most the model's context.
+  // --max-new-tokens), at most the model's context, and for caches that show attention up to `kv_rows`
+  // rows (0: as many as the positions; a ring cache shows more rows than one call's positions).
   Runtime(const CommonOptions& options, const std::string& default_prompt, PromptFit fit = PromptFit::kMustFit,
-          int longest_sequence = 0);
+          int longest_sequence = 0, int kv_rows = 0);
   Runtime(const Runtime&) = delete;
 
   // The KV caches this run will hold at its peak, in bytes, when they differ from one cache of the run's

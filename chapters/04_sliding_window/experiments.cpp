@@ -1,0 +1,344 @@
+#include "experiments.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "03_preallocated_cache/preallocated_kv_cache.h"
+#include "generate.h"
+#include "perplexity.h"
+#include "text_probes.h"
+#include "timing.h"
+#include "tokenizer.h"
+
+namespace kvs::ch04 {
+namespace {
+
+long peak_rss_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss * 1024L;  // Linux reports KiB
+}
+
+// Nats summed over the scored predictions, and how many.
+struct Nats {
+  double sum = 0;
+  long scored = 0;
+  void operator+=(const Nats& o) { sum += o.sum, scored += o.scored; }
+  double bits_per_byte() const { return scored ? sum / scored / std::log(2.0) : 0.0; }
+};
+
+// Every prediction, and those made at positions >= late_from.
+struct Scores {
+  Nats all, late;
+};
+
+Scores teacher_forced(const Lab& lab, KvCache& cache, std::span<const int> tokens, int late_from = 0) {
+  Model& model = lab.rt.model;
+  const int n = static_cast<int>(tokens.size()), vocab = model.config().vocab_size;
+  Scores scores;
+  for (int pos = 0; pos < n - 1; pos += lab.chunk) {
+    const int len = std::min(lab.chunk, n - 1 - pos);  // inputs; the targets are the next len tokens
+    const auto logits = model.forward(tokens.subspan(pos, len), pos, &cache, Logits::kAllPositions);
+    for (int i = 0; i < len; ++i) {
+      const Nats one{next_token_nats(logits.data() + std::size_t(i) * vocab, vocab, tokens[pos + i + 1]), 1};
+      scores.all += one;
+      if (pos + i >= late_from) scores.late += one;
+    }
+  }
+  return scores;
+}
+
+// The resident bytes of either kind of cache this chapter builds (-1 off the host).
+std::int64_t cache_resident_bytes(const KvCache& cache) {
+  if (const auto* ring = dynamic_cast<const SlidingWindowKvCache*>(&cache)) return ring->resident_bytes();
+  return static_cast<const ch03::PreallocatedKvCache&>(cache).resident_bytes();
+}
+std::int64_t cache_allocated_bytes(const KvCache& cache) {
+  if (const auto* ring = dynamic_cast<const SlidingWindowKvCache*>(&cache)) return ring->allocated_bytes();
+  return static_cast<const ch03::PreallocatedKvCache&>(cache).allocated_bytes();
+}
+
+Generation generate_with(const Lab& lab, KvCache& cache, std::span<const int> prompt, int new_tokens,
+                         const OnLogits& on_logits = {}) {
+  Sampler sampler = lab.rt.new_sampler();
+  return generate_cached(lab.rt.model, cache, sampler, prompt, new_tokens, lab.chunk, {}, on_logits);
+}
+
+std::string generated_text(const Generation& g, std::size_t prompt_tokens) {
+  return decode_bytes(std::vector<int>(g.tokens.begin() + prompt_tokens, g.tokens.end()));
+}
+
+// The held-out text cut at a line start at or after `offset`.
+std::size_t line_start(const std::string& text, std::size_t offset) {
+  if (offset == 0) return 0;
+  const std::size_t newline = text.find('\n', offset);
+  return newline == std::string::npos ? 0 : newline + 1;
+}
+
+}  // namespace
+
+std::unique_ptr<KvCache> make_cache(const Lab& lab, Window window, int max_positions) {
+  if (window.size == 0) return std::make_unique<ch03::PreallocatedKvCache>(lab.rt.backend, lab.rt.model.config(), max_positions);
+  return std::make_unique<SlidingWindowKvCache>(lab.rt.backend, lab.rt.model.config(), window, lab.chunk, lab.positions);
+}
+
+std::string window_name(int size) { return size == 0 ? "full" : std::to_string(size); }
+
+void perplexity_vs_window(const Lab& lab, const std::vector<int>& windows, int sinks, int context, int max_bytes,
+                          CsvWriter& csv) {
+  const std::vector<int> tokens = encode_bytes(lab.held_out.substr(0, max_bytes));
+  const int n = static_cast<int>(tokens.size());
+  std::fprintf(stderr, "bits per byte of the first %d held-out bytes, in sequences of %d positions, each through a fresh "
+                       "cache, %d positions per call\n\n  %-8s %14s %14s\n", n, context, lab.chunk, "window", "no sinks",
+               (std::to_string(sinks) + " sinks").c_str());
+  for (int size : windows) {
+    std::fprintf(stderr, "  %-8s", window_name(size).c_str());
+    for (int s : {0, sinks}) {
+      if ((s > 0 && (size == 0 || s >= size)) || (s == sinks && sinks == 0)) {  // no such configuration
+        std::fprintf(stderr, " %14s", "-");
+        continue;
+      }
+      Nats nats;
+      for (int start = 0; start < n - 1; start += context) {
+        const int len = std::min(context + 1, n - start);  // context inputs and the byte after the last
+        auto cache = make_cache(lab, {size, s}, context);
+        nats += teacher_forced(lab, *cache, std::span<const int>(tokens).subspan(start, len)).all;
+      }
+      std::fprintf(stderr, " %14.4f", nats.bits_per_byte());
+      csv.row(window_name(size), s, nats.bits_per_byte(), nats.scored, context);
+      csv.commit();  // a long run keeps what it finished
+    }
+    std::fprintf(stderr, "\n");
+  }
+}
+
+namespace {
+
+// K passages of `passage_bytes` from long verses of the held-out text, spread over it.
+std::vector<std::string> passages(const std::string& text, int count, std::size_t passage_bytes) {
+  std::vector<std::string> lines, chosen;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);)
+    if (line.size() >= passage_bytes) lines.push_back(line.substr(0, passage_bytes));
+  for (int k = 0; k < count && !lines.empty(); ++k) chosen.push_back(lines[lines.size() * k / count]);
+  return chosen;
+}
+
+}  // namespace
+
+void recall_vs_window(const Lab& lab, const std::vector<int>& windows, const std::vector<int>& distances, CsvWriter& csv) {
+  // The text: passage (96 bytes) + "\n" + unrelated text + "\n" + the passage again. Teacher-forced, so
+  // one early mistake does not decide the score: the share of the second passage's last 64 bytes that the
+  // model predicts exactly (its most likely next byte is the true one), given everything before. `distance`
+  // is how far back each byte's first occurrence sits: 96 + 1 + filler + 1 bytes. The first 32 bytes of the
+  // repeat are the cue; the last row is the same text without the first occurrence (what the model
+  // guesses without having seen the passage).
+  constexpr int kPassage = 96, kCue = 32, kPassages = 8;
+  const std::vector<std::string> chosen = passages(lab.held_out, kPassages, kPassage);
+  const int vocab = lab.rt.model.config().vocab_size;
+  std::fprintf(stderr, "exact recall: the share of a passage's last %d bytes predicted exactly (teacher-forced) when the\n"
+                       "passage was seen `d` bytes earlier; mean of %zu passages\n\n  %-12s",
+               kPassage - kCue, chosen.size(), "window");
+  for (int d : distances) std::fprintf(stderr, " %9s", ("d=" + std::to_string(d)).c_str());
+  std::fprintf(stderr, "\n");
+  std::vector<int> rows = windows;
+  rows.push_back(-1);  // no first occurrence, full cache
+  for (int size : rows) {
+    std::fprintf(stderr, "  %-12s", size < 0 ? "not seen" : window_name(size).c_str());
+    for (int distance : distances) {
+      const int filler = distance - kPassage - 2;
+      int correct = 0, scored = 0;
+      for (std::size_t k = 0; k < chosen.size(); ++k) {
+        // Unrelated text: from the other half of the held-out text.
+        const std::size_t from = line_start(lab.held_out, (lab.held_out.size() / 2 + k * 9973) % lab.held_out.size());
+        const std::string first = size < 0 ? std::string(kPassage, ' ') : chosen[k];  // not seen: blanks instead
+        const std::vector<int> text = encode_bytes(first + "\n" + lab.held_out.substr(from, filler) + "\n" + chosen[k]);
+        const int n = static_cast<int>(text.size()), score_from = n - (kPassage - kCue);  // positions of the scored bytes
+        auto cache = make_cache(lab, {std::max(size, 0), 0}, n);
+        for (int pos = 0; pos < n - 1; pos += lab.chunk) {
+          const int len = std::min(lab.chunk, n - 1 - pos);
+          const auto logits = lab.rt.model.forward(std::span<const int>(text).subspan(pos, len), pos, cache.get(),
+                                                   Logits::kAllPositions);
+          for (int i = 0; i < len; ++i) {
+            if (pos + i + 1 < score_from) continue;  // the logits at pos+i predict the byte at pos+i+1
+            const float* row = logits.data() + std::size_t(i) * vocab;
+            correct += std::max_element(row, row + vocab) - row == text[pos + i + 1];
+            ++scored;
+          }
+        }
+      }
+      const double share = double(correct) / scored;
+      std::fprintf(stderr, " %9.2f", share);
+      csv.row(size < 0 ? "not seen" : window_name(size), distance, share, chosen.size());
+    }
+    csv.commit();
+    std::fprintf(stderr, "\n");
+  }
+}
+
+void topic_and_fluency(const Lab& lab, const std::vector<int>& windows, int new_tokens, CsvWriter& csv) {
+  constexpr int kPrompts = 16, kPromptBytes = 1024;
+  const Lexicon lexicon(lab.held_out);
+  std::vector<std::string> prompts;
+  for (int k = 0; k < kPrompts; ++k)
+    prompts.push_back(lab.held_out.substr(line_start(lab.held_out, lab.held_out.size() * k / kPrompts), kPromptBytes));
+  std::fprintf(stderr, "%d prompts of %d held-out bytes, %d new bytes each (the run's sampling settings)\n"
+                       "  local fluency: the share of generated words that are words of the held-out text\n"
+                       "  topic: of the proper names generated, the share that the prompt contains\n\n"
+                       "  %-8s %14s %8s %14s %8s\n", kPrompts, kPromptBytes, new_tokens, "window", "known words", "words",
+               "names in prompt", "names");
+  for (int size : windows) {
+    int words = 0, names = 0;
+    double known = 0, from_prompt = 0;
+    for (const std::string& text : prompts) {
+      const std::vector<int> prompt = encode_bytes(text);
+      auto cache = make_cache(lab, {size, 0}, int(prompt.size()) + new_tokens);
+      const std::string continuation = generated_text(generate_with(lab, *cache, prompt, new_tokens), prompt.size());
+      const ProbeScore fluency = known_word_share(continuation, lexicon);
+      const ProbeScore topic = names_from_prompt_share(text, continuation, lexicon);
+      words += fluency.counted, known += fluency.share * fluency.counted;
+      names += topic.counted, from_prompt += topic.share * topic.counted;
+    }
+    const double known_share = words ? known / words : 0, prompt_share = names ? from_prompt / names : 0;
+    std::fprintf(stderr, "  %-8s %14.3f %8d %14.3f %8d\n", window_name(size).c_str(), known_share, words, prompt_share, names);
+    csv.row(window_name(size), known_share, words, prompt_share, names);
+    csv.commit();
+  }
+}
+
+namespace {
+
+// The attention weight queries put on positions 0 .. first-1, per layer, for queries at positions >= from,
+// and what an even spread over the rows each query sees would give them.
+struct FirstPositionsAttention final : AttentionObserver {
+  int first, from;
+  std::vector<double> weight, uniform;
+  std::vector<long> queries;
+  FirstPositionsAttention(int layers, int first, int from)
+      : first(first), from(from), weight(layers), uniform(layers), queries(layers) {}
+
+  void on_attention(int layer, int pos, int n, const KvView& view, std::span<const float> weights) override {
+    const int heads = static_cast<int>(weights.size() / (std::size_t(n) * view.rows));
+    for (int i = 0; i < n; ++i) {
+      if (pos + i < from) continue;
+      int visible = 0, visible_first = 0;
+      for (int r = 0; r < view.rows; ++r)
+        if (key_visible(pos + i, view.position_of(r), view.window)) {
+          ++visible;
+          visible_first += view.position_of(r) < first;
+        }
+      for (int h = 0; h < heads; ++h) {
+        const float* w = weights.data() + (std::size_t(i) * heads + h) * view.rows;
+        for (int r = 0; r < view.rows; ++r)
+          if (view.position_of(r) >= 0 && view.position_of(r) < first) weight[layer] += w[r];
+        uniform[layer] += double(visible_first) / visible;
+        ++queries[layer];
+      }
+    }
+  }
+};
+
+}  // namespace
+
+void stream_past_context(const Lab& lab, Window window, int stream_bytes, CsvWriter& csv) {
+  const ModelConfig& c = lab.rt.model.config();
+  const std::vector<int> tokens = encode_bytes(lab.held_out.substr(0, stream_bytes));
+  const int n = static_cast<int>(tokens.size()), first = std::max(window.sinks, 1);
+  std::fprintf(stderr, "one stream of %d held-out bytes (%.1f x the trained context of %d), teacher-forced\n\n", n,
+               double(n) / c.seq_len, c.seq_len);
+
+  // The baseline a full cache allows: restart every seq_len positions (the model's own context).
+  Scores restarted;
+  for (int start = 0; start < n - 1; start += c.seq_len) {
+    auto cache = make_cache(lab, {0, 0}, c.seq_len);
+    const int len = std::min(c.seq_len + 1, n - start);
+    const Scores chunk = teacher_forced(lab, *cache, std::span<const int>(tokens).subspan(start, len));
+    restarted.all += chunk.all;
+    if (start >= c.seq_len) restarted.late += chunk.all;
+  }
+  auto report = [&](const std::string& config, int size, int sinks, const Scores& s) {
+    std::fprintf(stderr, "  %-46s %8.4f bits/byte, %.4f past position %d\n", config.c_str(), s.all.bits_per_byte(),
+                 s.late.bits_per_byte(), c.seq_len);
+    csv.row("bits_per_byte", config, size, sinks, "", s.all.bits_per_byte(), "");
+    csv.row("bits_per_byte_past_context", config, size, sinks, "", s.late.bits_per_byte(), "");
+  };
+  report("full cache, restarted every " + std::to_string(c.seq_len), 0, 0, restarted);
+
+  std::vector<int> sink_counts = {0};
+  if (window.sinks > 0) sink_counts.push_back(window.sinks);
+  for (int sinks : sink_counts) {
+    SlidingWindowKvCache cache(lab.rt.backend, c, {window.size, sinks}, lab.chunk, KeyPositions::kWithinWindow);
+    FirstPositionsAttention observer(c.n_layers, first, window.size);  // queries past the window
+    lab.rt.model.observe_attention(&observer);
+    const Scores s = teacher_forced(lab, cache, tokens, c.seq_len);
+    lab.rt.model.observe_attention(nullptr);
+    const std::string config = "window " + std::to_string(window.size) + ", " + std::to_string(sinks) + " sinks";
+    report(config, window.size, sinks, s);
+    if (sinks > 0)
+      for (int l = 0; l < c.n_layers; ++l)
+        csv.row("attention_on_first_positions", config, window.size, sinks, l, observer.weight[l] / observer.queries[l],
+                observer.uniform[l] / observer.queries[l]);
+  }
+
+  // Does this model have attention sinks? With a full cache, inside the trained context: the weight the
+  // first positions get from queries far from them, against an even spread.
+  auto full = make_cache(lab, {0, 0}, c.seq_len);
+  FirstPositionsAttention observer(c.n_layers, first, c.seq_len / 4);
+  lab.rt.model.observe_attention(&observer);
+  teacher_forced(lab, *full, std::span<const int>(tokens).subspan(0, std::min(n, c.seq_len)));
+  lab.rt.model.observe_attention(nullptr);
+  std::fprintf(stderr, "\nattention on the first %d positions, full cache, queries at positions %d..%d (mean over heads):\n"
+                       "  %-6s %10s %14s %8s\n", first, c.seq_len / 4, std::min(n, c.seq_len) - 1, "layer", "weight",
+               "even spread", "ratio");
+  for (int l = 0; l < c.n_layers; ++l) {
+    const double w = observer.weight[l] / observer.queries[l], even = observer.uniform[l] / observer.queries[l];
+    std::fprintf(stderr, "  %-6d %10.4f %14.4f %8.1f\n", l, w, even, w / even);
+    csv.row("attention_on_first_positions", "full cache", 0, first, l, w, even);
+  }
+  csv.commit();
+}
+
+void memory_vs_length(const Lab& lab, Window window, int new_tokens, CsvWriter& csv) {
+  const ModelConfig& c = lab.rt.model.config();
+  const std::vector<int>& prompt = lab.rt.prompt;
+  constexpr int kBlock = 256;  // steps per row
+  std::fprintf(stderr, "  %-10s %9s %10s %10s %14s %14s %12s\n", "cache", "generated", "p50 ms", "p99 ms", "allocated",
+               "resident", "peak RSS");
+  for (const Window w : {window, Window{0, 0}}) {  // the window first: peak RSS only grows
+    // The full cache cannot go past the trained context; the window can, with within-window positions.
+    const int tokens = w.size == 0 ? std::min(new_tokens, c.seq_len - int(prompt.size())) : new_tokens;
+    auto cache = make_cache(lab, w, int(prompt.size()) + tokens);
+    std::vector<std::int64_t> resident, rss;
+    const Generation g = generate_with(lab, *cache, prompt, tokens, [&](int step, std::span<const float>) {
+      if ((step + 1) % kBlock == 0 || step + 1 == tokens) resident.push_back(cache_resident_bytes(*cache)), rss.push_back(peak_rss_bytes());
+    });
+    const std::string name = w.size == 0 ? "full" : "window " + std::to_string(w.size);
+    for (std::size_t b = 0; b < resident.size(); ++b) {
+      const std::size_t end = std::min<std::size_t>((b + 1) * kBlock, g.step_ms.size()), begin = std::max<std::size_t>(1, b * kBlock);
+      const std::vector<double> block(g.step_ms.begin() + begin, g.step_ms.begin() + end);  // decode steps only
+      const double p50 = percentile(block, 50), p99 = percentile(block, 99);
+      std::fprintf(stderr, "  %-10s %9zu %10.4f %10.4f %14s %14s %12s\n", name.c_str(), end, p50, p99,
+                   format_bytes(double(cache_allocated_bytes(*cache))).c_str(),
+                   resident[b] < 0 ? "-" : format_bytes(double(resident[b])).c_str(), format_bytes(double(rss[b])).c_str());
+      csv.row(name, end, p50, p99, cache_allocated_bytes(*cache), resident[b], rss[b]);
+    }
+    csv.commit();
+  }
+}
+
+void samples(const Lab& lab, const std::vector<int>& windows, int sinks, int new_tokens) {
+  for (int size : windows) {
+    const Window w{size, size > sinks ? sinks : 0};
+    auto cache = make_cache(lab, w, int(lab.rt.prompt.size()) + new_tokens);
+    const Generation g = generate_with(lab, *cache, lab.rt.prompt, new_tokens);
+    std::printf("--- window %s%s ---\n%s\n\n", window_name(size).c_str(),
+                w.sinks ? (", " + std::to_string(w.sinks) + " sinks").c_str() : "", decode_bytes(g.tokens).c_str());
+    std::fflush(stdout);
+  }
+}
+
+}  // namespace kvs::ch04

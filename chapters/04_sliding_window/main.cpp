@@ -1,0 +1,205 @@
+// Chapter 04 — the sliding-window cache: bounded memory, what the model forgets, attention sinks, and
+// generating past the trained context.
+//
+// The cache (sliding_window_kv_cache.h) is a ring of window + chunk - 1 slots allocated once; the query at
+// position p sees the `sinks` first positions and the window - sinks most recent ones (kv_cache.h's
+// key_visible). --experiment generate (the default) streams a generation and shows that memory stays flat;
+// the other experiments measure what the window costs (experiments.h).
+#include <sys/resource.h>
+
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+
+#include "cli.h"
+#include "experiments.h"
+#include "generate.h"
+#include "runtime.h"
+#include "timing.h"
+
+namespace {
+
+constexpr const char* kDefaultPrompt = "And God said, ";
+constexpr const char* kExperiments = "generate, perplexity, recall, fluency, stream, memory, samples";
+
+long peak_rss_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss * 1024L;  // Linux reports KiB
+}
+
+// "full,1024,64" -> {0, 1024, 64}; 0 stands for no window.
+std::vector<int> parse_windows(const std::string& text, int seq_len) {
+  std::vector<int> windows;
+  std::istringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    if (item == "full") {
+      windows.push_back(0);
+      continue;
+    }
+    std::size_t used = 0;
+    int size = 0;
+    try {
+      size = std::stoi(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size() || item.empty() || size < 1 || size > seq_len)
+      throw kvs::UsageError("--windows: '" + item + "' is not 'full' or a window of 1.." + std::to_string(seq_len) +
+                            " keys; give a comma-separated list such as full,256,32");
+    windows.push_back(size);
+  }
+  return windows;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  kvs::CommonOptions options;
+  options.max_new_tokens = 300;
+  std::string experiment = "generate", positions_name = "absolute";
+  std::string windows_text = "full,1024,512,256,128,64,32,16,8,4", recall_windows_text = "full,1024,512,256,128,64,32";
+  int window = 256, sinks = 0, chunk = 64, max_bytes = 16384, context = 0, stream_bytes = 0;
+  kvs::ArgParser parser(
+      "04_sliding_window",
+      "Chapter 04: a sliding-window KV cache. A ring of --window + --chunk - 1 slots is allocated once; each\n"
+      "query sees the --sinks first positions and the most recent --window - --sinks. --positions absolute\n"
+      "stores keys rotated at their absolute positions (exact, refused past the trained context);\n"
+      "within-window rotates them as they are read, by their place in the window (StreamingLLM), so\n"
+      "generation runs on past the trained context in the same memory.\n"
+      "--experiment (one of " + std::string(kExperiments) + "):\n"
+      "  generate    stream a generation (text to stdout); memory, p50/p99 per token to stderr\n"
+      "  perplexity  bits/byte of the held-out text per window, without and with --sinks (default 4)\n"
+      "  recall      exact recall of a passage seen d bytes earlier, per window and d\n"
+      "  fluency     local fluency (known words) and topic (names from the prompt) per window\n"
+      "  stream      bits/byte over one stream of 4x the trained context, window without and with sinks;\n"
+      "              the attention the first positions receive, per layer\n"
+      "  memory      time and memory per token vs generated length, full cache vs --window\n"
+      "  samples     the same prompt at --windows (default full,256,32), texts to stdout\n"
+      "CSV columns (--csv), per experiment:\n"
+      "  generate    window, sinks, positions, prompt_tokens, new_tokens, slots, allocated_bytes, resident_bytes,\n"
+      "              peak_rss_growth_bytes, decode_ms_p50, decode_ms_p99, total_s\n"
+      "  perplexity  window, sinks, bits_per_byte, bytes, context\n"
+      "  recall      window, distance, recalled_share, passages\n"
+      "  fluency     window, known_word_share, words, names_from_prompt_share, names\n"
+      "  stream      measure, config, window, sinks, layer, value, even_spread\n"
+      "  memory      cache, generated, ms_p50, ms_p99, allocated_bytes, resident_bytes, peak_rss_bytes");
+  kvs::add_common_flags(parser, options, '"' + std::string(kDefaultPrompt) + '"');
+  parser.add_string("--experiment", "NAME", "what to run (default generate; see above)", &experiment);
+  parser.add_int("--window", "keys each query sees, sinks included (default 256)", &window, 1, 1 << 21);
+  parser.add_int("--sinks", "first positions kept forever (default 0; perplexity and stream compare 0 with this, default 4 there)",
+                 &sinks, 0, 1 << 21);
+  parser.add_string("--positions", "KIND", "absolute or within-window (default absolute; see above)", &positions_name);
+  parser.add_int("--chunk", "positions per forward call: prefill and evaluation (default 64)", &chunk, 1, 4096);
+  parser.add_string("--windows", "LIST", "windows for perplexity, fluency and samples, e.g. full,256,32", &windows_text);
+  parser.add_int("--max-bytes", "perplexity: held-out bytes to evaluate (default 16384)", &max_bytes, 2, 1 << 30);
+  parser.add_int("--context", "perplexity: positions per sequence (default: the model's context)", &context, 1, 1 << 21);
+  parser.add_int("--stream-bytes", "stream: bytes of the held-out stream (default 4x the model's context)", &stream_bytes,
+                 2, 1 << 30);
+  parser.add_check([&] {
+    if (positions_name != "absolute" && positions_name != "within-window")
+      return "--positions '" + positions_name + "': use absolute or within-window";
+    if (std::string(kExperiments).find(experiment) == std::string::npos || experiment.find(',') != std::string::npos)
+      return "--experiment '" + experiment + "': use one of " + kExperiments;
+    return std::string();
+  });
+  parser.parse(argc, argv);
+
+  return kvs::run_main(parser, [&] {
+    const bool sinks_given = parser.given("--sinks");
+    if (!sinks_given && (experiment == "perplexity" || experiment == "stream")) sinks = 4;
+    if (sinks >= window)
+      throw kvs::UsageError("--sinks " + std::to_string(sinks) + " must be smaller than --window " + std::to_string(window));
+    const auto positions =
+        positions_name == "absolute" ? kvs::ch04::KeyPositions::kAbsolute : kvs::ch04::KeyPositions::kWithinWindow;
+    // The model takes calls of up to --chunk positions, and its attention reads up to the context's rows
+    // (a full cache) or window + chunk - 1 ring slots: both need the context, so read it first.
+    const int seq_len = kvs::Checkpoint(kvs::resolve_model_path(options)).config().seq_len;
+    if (chunk > seq_len) throw kvs::UsageError("--chunk " + std::to_string(chunk) + " exceeds the model's context of " + std::to_string(seq_len));
+    if (window > seq_len)
+      throw kvs::UsageError("--window " + std::to_string(window) + " exceeds the model's context of " + std::to_string(seq_len) +
+                            " positions; a longer window is a full cache (chapter 03)");
+    kvs::Runtime rt(options, kDefaultPrompt, kvs::PromptFit::kCutByCaller, chunk, seq_len + chunk - 1);
+    const kvs::ModelConfig& c = rt.model.config();
+    const int prompt_tokens = static_cast<int>(rt.prompt.size());
+    // Positions the generating experiments feed: the prompt and every new token but the last.
+    auto check_fits = [&](int new_tokens) {
+      if (positions == kvs::ch04::KeyPositions::kAbsolute && prompt_tokens + new_tokens - 1 > seq_len)
+        throw kvs::UsageError("the prompt (" + std::to_string(prompt_tokens) + " tokens) plus " + std::to_string(new_tokens) +
+                              " new tokens go past the model's context of " + std::to_string(seq_len) +
+                              " positions, where keys rotated at absolute positions are not exact; use --positions "
+                              "within-window (or fewer --max-new-tokens)");
+    };
+    auto windows_or = [&](const std::string& fallback) {
+      return parse_windows(parser.given("--windows") ? windows_text : fallback, seq_len);
+    };
+    const kvs::ch04::Lab lab{rt, chunk, positions,
+                             experiment == "generate" ? std::string()
+                                                      : kvs::read_input_file("the held-out text",
+                                                                             kvs::find_data_file("kjv/valid.txt"), 1u << 30)};
+    if (experiment == "generate" || experiment == "memory" || experiment == "samples") check_fits(options.max_new_tokens);
+    if (experiment == "fluency") check_fits(1024 + options.max_new_tokens);  // its prompts are 1024 bytes
+    // The largest cache an experiment holds at once: the ring, or a full cache of the context.
+    rt.plan_kv_cache(experiment == "generate" ? kvs::kv_cache_bytes(c, window + chunk - 1) : kvs::kv_cache_bytes(c, seq_len));
+    std::cerr << rt.describe() << "\n";
+
+    if (experiment == "generate") {
+      kvs::CsvWriter csv({"--csv", options.csv},
+                         "window,sinks,positions,prompt_tokens,new_tokens,slots,allocated_bytes,resident_bytes,"
+                         "peak_rss_growth_bytes,decode_ms_p50,decode_ms_p99,total_s", rt.inputs());
+      std::cerr << "window " << window << " keys (" << sinks << " sinks), " << kvs::ch04::to_string(positions)
+                << " positions, " << options.max_new_tokens << " new tokens after a " << prompt_tokens
+                << "-token prompt, prefill in chunks of " << chunk << "\n\n";
+      rt.model.forward(std::span<const int>(rt.prompt).first(std::min(prompt_tokens, chunk)), 0);  // warm-up
+      const long rss_before = peak_rss_bytes();
+      kvs::ch04::SlidingWindowKvCache cache(rt.backend, c, {window, sinks}, chunk, positions);
+      kvs::Sampler sampler = rt.new_sampler();
+      for (int token : rt.prompt) kvs::emit_token(token);
+      const kvs::Stopwatch wall;
+      const kvs::Generation g = kvs::generate_cached(rt.model, cache, sampler, rt.prompt, options.max_new_tokens, chunk,
+                                                     kvs::emit_token);
+      const double total_s = wall.milliseconds() / 1000;
+      const long rss_growth = peak_rss_bytes() - rss_before;
+      std::fflush(stdout);
+      const int cached = cache.length();
+      std::fprintf(stderr, "\n\n%d positions went through a ring of %d slots (window %d + chunk %d - 1)\n", cached,
+                   cache.slots(), window, chunk);
+      std::fprintf(stderr, "  allocated: 2 * %d layers * %d kv_heads * %d head_dim * %d slots * 4 bytes = %s\n", c.n_layers,
+                   c.n_kv_heads, c.head_dim(), cache.slots(), kvs::format_bytes(double(cache.allocated_bytes())).c_str());
+      const std::int64_t resident = cache.resident_bytes();
+      std::fprintf(stderr, "  resident (mincore): %s; peak RSS growth during the run: %s\n",
+                   resident < 0 ? "not measured (GPU memory)" : kvs::format_bytes(double(resident)).c_str(),
+                   kvs::format_bytes(double(std::max(0L, rss_growth))).c_str());
+      std::fprintf(stderr, "  a full cache of the same %d positions: %s\n", cached,
+                   kvs::format_bytes(double(kvs::kv_cache_bytes(c, cached))).c_str());
+      if (options.max_new_tokens > 1)
+        std::fprintf(stderr, "decode: p50 %.4f ms, p99 %.4f ms per token over %d steps; %.2f s in all\n",
+                     g.decode_percentile_ms(50), g.decode_percentile_ms(99), options.max_new_tokens - 1, total_s);
+      csv.row(window, sinks, kvs::ch04::to_string(positions), prompt_tokens, options.max_new_tokens, cache.slots(),
+              cache.allocated_bytes(), resident, rss_growth, g.decode_percentile_ms(50), g.decode_percentile_ms(99), total_s);
+      csv.commit();
+    } else if (experiment == "perplexity") {
+      if (context == 0) context = seq_len;
+      if (context > seq_len) throw kvs::UsageError("--context " + std::to_string(context) + " exceeds the model's context of " + std::to_string(seq_len));
+      kvs::CsvWriter csv({"--csv", options.csv}, "window,sinks,bits_per_byte,bytes,context", rt.inputs());
+      kvs::ch04::perplexity_vs_window(lab, windows_or(windows_text), sinks, context, max_bytes, csv);
+    } else if (experiment == "recall") {
+      kvs::CsvWriter csv({"--csv", options.csv}, "window,distance,recalled_share,passages", rt.inputs());
+      kvs::ch04::recall_vs_window(lab, windows_or(recall_windows_text), {128, 256, 512, 1024}, csv);
+    } else if (experiment == "fluency") {
+      kvs::CsvWriter csv({"--csv", options.csv}, "window,known_word_share,words,names_from_prompt_share,names", rt.inputs());
+      kvs::ch04::topic_and_fluency(lab, windows_or("full,512,128,32,8"), options.max_new_tokens, csv);
+    } else if (experiment == "stream") {
+      kvs::CsvWriter csv({"--csv", options.csv}, "measure,config,window,sinks,layer,value,even_spread", rt.inputs());
+      kvs::ch04::stream_past_context(lab, {window, sinks}, stream_bytes ? stream_bytes : 4 * seq_len, csv);
+    } else if (experiment == "memory") {
+      kvs::CsvWriter csv({"--csv", options.csv}, "cache,generated,ms_p50,ms_p99,allocated_bytes,resident_bytes,peak_rss_bytes",
+                         rt.inputs());
+      kvs::ch04::memory_vs_length(lab, {window, sinks}, options.max_new_tokens, csv);
+    } else {  // samples
+      kvs::ch04::samples(lab, windows_or("full,256,32"), sinks, options.max_new_tokens);
+    }
+    if (!options.csv.empty()) std::cerr << "wrote " << options.csv << "\n";
+    return 0;
+  });
+}
