@@ -118,6 +118,42 @@ TEST_CASE("chapter 03: the cache is exactly the formula, decode allocates nothin
         std::string::npos);
 }
 
+TEST_CASE("chapter 04: a ring of window + chunk - 1 slots, past the trained context in the same memory") {
+  // mha.bin: 2 layers, 4 KV heads of 16, context 96. 300 new tokens: three times the context.
+  const std::string ch04 = binary("04_sliding_window") + " --model " + golden_path("mha.bin") + " --threads 1";
+  const auto r = run_command(ch04 + " --prompt 'In the beginning' --window 8 --sinks 2 --chunk 4 --max-new-tokens 300 "
+                                    "--positions within-window");
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.size() == 16 + 300);
+  CHECK(r.err.find("315 positions went through a ring of 11 slots (window 8 + chunk 4 - 1)") != std::string::npos);
+  CHECK(r.err.find("2 * 2 layers * 4 kv_heads * 16 head_dim * 11 slots * 4 bytes = 11264 bytes") != std::string::npos);
+  CHECK(r.err.find("p99") != std::string::npos);
+  // Absolute positions stop at the context, before anything runs, and say what to use instead.
+  const auto past = run_command(ch04 + " --window 8 --max-new-tokens 300");
+  CHECK(past.exit_code == 2);
+  CHECK(past.err.find("use --positions within-window") != std::string::npos);
+  CHECK(past.out.empty());
+  const auto bad_window = run_command(ch04 + " --experiment perplexity --windows 8,x --max-bytes 300");
+  CHECK(bad_window.exit_code == 2);
+  CHECK(bad_window.err.find("--windows: 'x' is not 'full' or a window of 1..96 keys") != std::string::npos);
+  CHECK(run_command(ch04 + " --experiment everything").exit_code == 2);
+  CHECK(run_command(ch04 + " --window 4 --sinks 4").exit_code == 2);
+  CHECK(run_command(ch04 + " --window 97").exit_code == 2);
+  // The measurements run on the small model too, and write one CSV row per configuration.
+  kvs::test::TempDir dir;
+  const auto ppl = run_command(ch04 + " --experiment perplexity --windows full,8 --max-bytes 300 --context 96 --csv " +
+                               dir.file("ppl.csv"));
+  CAPTURE(ppl.err);
+  CHECK(ppl.exit_code == 0);
+  CHECK(count_lines(dir.file("ppl.csv")) == 1 + 3);  // header; full; 8 without and with 4 sinks
+  const auto memory = run_command(ch04 + " --experiment memory --window 8 --chunk 4 --max-new-tokens 300 "
+                                         "--positions within-window --csv " + dir.file("memory.csv"));
+  CAPTURE(memory.err);
+  CHECK(memory.exit_code == 0);
+  CHECK(count_lines(dir.file("memory.csv")) == 1 + 2 + 1);  // window: steps 256 and 300; full: 80 tokens
+}
+
 TEST_CASE("chapter 00: perplexity of a small text, and a bad context is refused") {
   kvs::test::TempDir dir;
   const std::string text = dir.file("text.txt");

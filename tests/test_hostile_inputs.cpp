@@ -56,6 +56,7 @@ const std::vector<Binary>& every_binary() {
       {"02_dynamic_cache", " --max-new-tokens 3"},
       {"03_preallocated_cache", " --max-new-tokens 3"},
       {"03_benchmark", " --lengths 8 --max-new-tokens 3 --naive-tokens 3 --repeats 1"},
+      {"04_sliding_window", " --max-new-tokens 3 --window 8 --chunk 4"},
   };
   return all;
 }

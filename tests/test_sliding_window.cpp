@@ -11,6 +11,7 @@
 
 #include "03_preallocated_cache/preallocated_kv_cache.h"
 #include "04_sliding_window/sliding_window_kv_cache.h"
+#include "04_sliding_window/text_probes.h"
 #include "cli.h"
 #include "cpu_backend.h"
 #include "generate.h"
@@ -295,4 +296,22 @@ TEST_CASE("attention observer: every layer's weights, summing to 1 over the visi
   CHECK(recorder.calls == c.n_layers * 8);  // 30 positions in calls of 4: 8 calls
   CHECK(recorder.worst_sum_error < 1e-5);
   CHECK(recorder.hidden_weight == 0);
+}
+
+TEST_CASE("chapter 04's text probes: recall prefix, known words, names from the prompt") {
+  CHECK(ch04::recalled_share("abcxyz", "abcdef") == doctest::Approx(0.5));
+  CHECK(ch04::recalled_share("ab", "abcd") == doctest::Approx(0.5));  // a short continuation stops the match
+  CHECK(ch04::recalled_share("zbcd", "abcd") == 0);
+  const ch04::Lexicon lexicon("And Paul said unto the saints at Ephesus, and the Lord and my lord said");
+  CHECK(lexicon.is_name("Paul"));
+  CHECK(lexicon.is_name("Ephesus"));
+  CHECK_FALSE(lexicon.is_name("And"));   // also written "and"
+  CHECK_FALSE(lexicon.is_name("Lord"));  // also written "lord"
+  const ch04::ProbeScore fluency = ch04::known_word_share("Paul said xqzt unto", lexicon);
+  CHECK(fluency.counted == 4);
+  CHECK(fluency.share == doctest::Approx(0.75));
+  const ch04::ProbeScore topic = ch04::names_from_prompt_share("Paul wrote", "Paul and Ephesus and Paul", lexicon);
+  CHECK(topic.counted == 3);
+  CHECK(topic.share == doctest::Approx(2.0 / 3));
+  CHECK(ch04::names_from_prompt_share("x", "no names here", lexicon).counted == 0);
 }

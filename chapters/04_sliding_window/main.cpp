@@ -106,15 +106,15 @@ int main(int argc, char** argv) {
   parser.parse(argc, argv);
 
   return kvs::run_main(parser, [&] {
-    const bool sinks_given = parser.given("--sinks");
-    if (!sinks_given && (experiment == "perplexity" || experiment == "stream")) sinks = 4;
-    if (sinks >= window)
-      throw kvs::UsageError("--sinks " + std::to_string(sinks) + " must be smaller than --window " + std::to_string(window));
     const auto positions =
         positions_name == "absolute" ? kvs::ch04::KeyPositions::kAbsolute : kvs::ch04::KeyPositions::kWithinWindow;
     // The model takes calls of up to --chunk positions, and its attention reads up to the context's rows
     // (a full cache) or window + chunk - 1 ring slots: both need the context, so read it first.
     const int seq_len = kvs::Checkpoint(kvs::resolve_model_path(options)).config().seq_len;
+    if (!parser.given("--window")) window = std::min(window, seq_len);  // a small model's context may be shorter
+    if (!parser.given("--sinks") && (experiment == "perplexity" || experiment == "stream")) sinks = std::min(4, window - 1);
+    if (sinks >= window)
+      throw kvs::UsageError("--sinks " + std::to_string(sinks) + " must be smaller than --window " + std::to_string(window));
     if (chunk > seq_len) throw kvs::UsageError("--chunk " + std::to_string(chunk) + " exceeds the model's context of " + std::to_string(seq_len));
     if (window > seq_len)
       throw kvs::UsageError("--window " + std::to_string(window) + " exceeds the model's context of " + std::to_string(seq_len) +
@@ -164,8 +164,9 @@ int main(int argc, char** argv) {
       const int cached = cache.length();
       std::fprintf(stderr, "\n\n%d positions went through a ring of %d slots (window %d + chunk %d - 1)\n", cached,
                    cache.slots(), window, chunk);
-      std::fprintf(stderr, "  allocated: 2 * %d layers * %d kv_heads * %d head_dim * %d slots * 4 bytes = %s\n", c.n_layers,
-                   c.n_kv_heads, c.head_dim(), cache.slots(), kvs::format_bytes(double(cache.allocated_bytes())).c_str());
+      std::fprintf(stderr, "  allocated: 2 * %d layers * %d kv_heads * %d head_dim * %d slots * 4 bytes = %lld bytes (%s)\n",
+                   c.n_layers, c.n_kv_heads, c.head_dim(), cache.slots(), static_cast<long long>(cache.allocated_bytes()),
+                   kvs::format_bytes(double(cache.allocated_bytes())).c_str());
       const std::int64_t resident = cache.resident_bytes();
       std::fprintf(stderr, "  resident (mincore): %s; peak RSS growth during the run: %s\n",
                    resident < 0 ? "not measured (GPU memory)" : kvs::format_bytes(double(resident)).c_str(),
@@ -173,7 +174,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "  a full cache of the same %d positions: %s\n", cached,
                    kvs::format_bytes(double(kvs::kv_cache_bytes(c, cached))).c_str());
       if (options.max_new_tokens > 1)
-        std::fprintf(stderr, "decode: p50 %.4f ms, p99 %.4f ms per token over %d steps; %.2f s in all\n",
+        std::fprintf(stderr, "decode: p50 %.4f ms, p99 %.4f ms per token over %d steps; %.3f s in all\n",
                      g.decode_percentile_ms(50), g.decode_percentile_ms(99), options.max_new_tokens - 1, total_s);
       csv.row(window, sinks, kvs::ch04::to_string(positions), prompt_tokens, options.max_new_tokens, cache.slots(),
               cache.allocated_bytes(), resident, rss_growth, g.decode_percentile_ms(50), g.decode_percentile_ms(99), total_s);
