@@ -55,6 +55,12 @@ def shrink(command):
     command = re.sub(r"--repeats \d+", "--repeats 1", command)
     if "00_perplexity" in command and "--max-bytes" not in command:
         command = command.replace("00_perplexity", "00_perplexity --max-bytes 4096", 1)
+    if "04_sliding_window" in command:
+        command = re.sub(r"--windows \S+", "--windows full,8", command)
+        if "--experiment perplexity" in command or "--experiment recall" in command:
+            command += " --windows full,8 --max-bytes 2048" if "--windows" not in command else " --max-bytes 2048"
+        if "--experiment stream" in command:
+            command += " --stream-bytes 2100"
     if "kvs_tests" in command:
         command += " --list-test-cases"
     return command

@@ -22,4 +22,8 @@ echo  # end the chapter's text with a newline
 banner "Chapter 03: the preallocated cache (prefill, decode, memory, context wall)"
 "$bin/03_preallocated_cache" --max-new-tokens 300
 echo  # end the chapter's text with a newline
+banner "Chapter 04: the sliding window (a ring of slots: memory stays flat, even past the trained context)"
+"$bin/04_sliding_window" --window 64 --max-new-tokens 300
+echo  # end the chapter's text with a newline
+"$bin/04_sliding_window" --positions within-window --window 256 --max-new-tokens 5000 > /dev/null
 banner "Done. Read book/README.md; every binary takes --help. Speed sweep and plots: bash plots/regenerate.sh"

@@ -3,7 +3,9 @@
     /usr/bin/python3 plots/plot.py     # Debian's python3-matplotlib; plots/regenerate.sh remeasures first
 
 Figures: decode_time_vs_context.png (log-log, one line per method), speedup_vs_prompt.png (decode
-speedup over naive), cache_bytes_vs_context.png (the formula's line and the bytes each cache held).
+speedup over naive), cache_bytes_vs_context.png (the formula's line and the bytes each cache held);
+chapter 04: window_bits_per_byte.png (held-out bits per byte vs window, without and with sinks) and
+window_memory_vs_length.png (cache bytes and time per token vs generated length, full cache vs window).
 """
 import csv
 import sys
@@ -88,7 +90,40 @@ def main():
                     markerfacecolor=fill or color, label=f"{method} ({column.split('_')[0]})")
     finish(fig, ax, "positions in the cache", "KV cache bytes (MiB)", "Cache memory grows linearly with context",
            "cache_bytes_vs_context.png", log=False, legend="lower right")
+    window_figures()
     print("wrote", ", ".join(p.name for p in sorted(HERE.glob("*.png"))))
+
+
+def window_figures():
+    rows = read("window_perplexity.csv")
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    full = [float(r["bits_per_byte"]) for r in rows if r["window"] == "full"]
+    for sinks, color in (("0", "tab:blue"), ("4", "tab:orange")):
+        points = sorted((int(r["window"]), float(r["bits_per_byte"])) for r in rows
+                        if r["window"] != "full" and r["sinks"] == sinks)
+        ax.plot(*zip(*points), marker="o", color=color, label=f"window, {sinks} sinks")
+    if full:
+        ax.axhline(full[0], color="black", ls="--", lw=1, label=f"full cache ({full[0]:.3f})")
+    ax.set_xscale("log", base=2)
+    finish(fig, ax, "window (keys each query sees)", "held-out bits per byte (lower is better)",
+           f"What a window costs (sequences of {rows[0]['context']} bytes)", "window_bits_per_byte.png", log=False)
+
+    rows = read("window_memory.csv")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 6.4), sharex=True)
+    for cache, color in ((r, c) for r, c in zip(sorted({r["cache"] for r in rows}), ("tab:blue", "tab:green"))):
+        mine = [r for r in rows if r["cache"] == cache]
+        xs = [int(r["generated"]) for r in mine]
+        top.plot(xs, [int(r["allocated_bytes"]) / 2**20 for r in mine], color=color, ls="--", label=f"{cache} (allocated)")
+        resident = [int(r["resident_bytes"]) for r in mine]
+        if min(resident) >= 0:
+            top.plot(xs, [b / 2**20 for b in resident], color=color, marker="o", ms=3, label=f"{cache} (resident)")
+        bottom.plot(xs, [float(r["ms_p50"]) for r in mine], color=color, marker="o", ms=3, label=f"{cache} p50")
+        bottom.plot(xs, [float(r["ms_p99"]) for r in mine], color=color, ls=":", label=f"{cache} p99")
+    top.set_ylabel("KV cache (MiB)")
+    top.grid(True, alpha=0.3)
+    top.legend(fontsize="small")
+    top.set_title("A window keeps memory and time per token flat")
+    finish(fig, bottom, "tokens generated", "ms per token", "", "window_memory_vs_length.png", log=False)
 
 
 if __name__ == "__main__":

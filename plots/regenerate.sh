@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rerun the speed sweep on the shipped model and redraw every figure (plots/*.png) from its CSV.
-# Takes about a minute on 2 cores; nothing else should run meanwhile, or the timings mean little.
+# Takes about two minutes on 2 cores; nothing else should run meanwhile, or the timings mean little.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 common/install-deps.sh build plots
@@ -8,4 +8,13 @@ cmake --preset release >/dev/null
 cmake --build --preset release
 build/release/bin/03_benchmark --lengths 32,64,128,256,512,1024,1536,2048 \
   --csv plots/data/speedup.csv --memory-csv plots/data/cache_memory.csv "$@"
+# Chapter 04: what a window costs, and what it saves.
+ch04=build/release/bin/04_sliding_window
+"$ch04" --experiment perplexity --csv plots/data/window_perplexity.csv "$@"
+"$ch04" --experiment recall --csv plots/data/window_recall.csv "$@"
+"$ch04" --experiment fluency --windows full,512,128,32,16,8,4 --temperature 0.8 --seed 1 \
+  --csv plots/data/window_fluency.csv "$@"
+"$ch04" --experiment stream --window 256 --sinks 4 --csv plots/data/window_stream.csv "$@"
+"$ch04" --experiment memory --window 256 --positions within-window --max-new-tokens 10240 \
+  --csv plots/data/window_memory.csv "$@"
 /usr/bin/python3 plots/plot.py  # Debian's interpreter, which has python3-matplotlib
