@@ -7,6 +7,7 @@
 // the other experiments measure what the window costs (experiments.h).
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -119,7 +120,32 @@ int main(int argc, char** argv) {
     if (window > seq_len)
       throw kvs::UsageError("--window " + std::to_string(window) + " exceeds the model's context of " + std::to_string(seq_len) +
                             " positions; a longer window is a full cache (chapter 03)");
-    kvs::Runtime rt(options, kDefaultPrompt, kvs::PromptFit::kCutByCaller, chunk, seq_len + chunk - 1);
+    if (context == 0) context = seq_len;
+    if (context > seq_len) throw kvs::UsageError("--context " + std::to_string(context) + " exceeds the model's context of " + std::to_string(seq_len));
+    // The windows an experiment compares (0: a full cache), and the rows its attention may read: a ring's
+    // window + chunk - 1 slots, or the longest sequence it keeps in a full cache. Sized for this run, not
+    // for the model's context (a model may have a context of millions).
+    const std::string default_windows = experiment == "perplexity" ? windows_text
+                                        : experiment == "recall"    ? recall_windows_text
+                                        : experiment == "fluency"   ? "full,512,128,32,8"
+                                        : experiment == "samples"   ? "full,256,32"
+                                                                    : "";
+    const std::vector<int> windows =
+        default_windows.empty() ? std::vector<int>{} : parse_windows(parser.given("--windows") ? windows_text : default_windows, seq_len);
+    const int new_tokens = options.max_new_tokens;
+    const int generated = static_cast<int>(kvs::resolve_prompt(options, kDefaultPrompt).size()) + new_tokens;
+    const int full_rows = experiment == "perplexity" ? context
+                          : experiment == "recall"   ? 1024 + 96  // the longest probe text (experiments.cpp)
+                          : experiment == "fluency"  ? 1024 + new_tokens
+                          : experiment == "stream"   ? std::min(seq_len, stream_bytes ? stream_bytes : 4 * seq_len)
+                          : experiment == "generate" ? 0
+                                                     : std::min(seq_len, generated);
+    int widest = experiment == "generate" || experiment == "stream" || experiment == "memory" ? window : 0;
+    for (int w : windows) widest = std::max(widest, w);
+    const bool uses_full = experiment != "generate" && (windows.empty() || std::ranges::count(windows, 0) > 0 ||
+                                                        experiment == "recall");
+    const int kv_rows = std::max(uses_full ? full_rows : 0, widest > 0 ? widest + chunk - 1 : 0);
+    kvs::Runtime rt(options, kDefaultPrompt, kvs::PromptFit::kCutByCaller, chunk, kv_rows);
     const kvs::ModelConfig& c = rt.model.config();
     const int prompt_tokens = static_cast<int>(rt.prompt.size());
     // Positions the generating experiments feed: the prompt and every new token but the last.
@@ -130,17 +156,14 @@ int main(int argc, char** argv) {
                               " positions, where keys rotated at absolute positions are not exact; use --positions "
                               "within-window (or fewer --max-new-tokens)");
     };
-    auto windows_or = [&](const std::string& fallback) {
-      return parse_windows(parser.given("--windows") ? windows_text : fallback, seq_len);
-    };
     const kvs::ch04::Lab lab{rt, chunk, positions,
                              experiment == "generate" ? std::string()
                                                       : kvs::read_input_file("the held-out text",
                                                                              kvs::find_data_file("kjv/valid.txt"), 1u << 30)};
     if (experiment == "generate" || experiment == "memory" || experiment == "samples") check_fits(options.max_new_tokens);
     if (experiment == "fluency") check_fits(1024 + options.max_new_tokens);  // its prompts are 1024 bytes
-    // The largest cache an experiment holds at once: the ring, or a full cache of the context.
-    rt.plan_kv_cache(experiment == "generate" ? kvs::kv_cache_bytes(c, window + chunk - 1) : kvs::kv_cache_bytes(c, seq_len));
+    // The largest cache an experiment holds at once: a ring, or a full cache.
+    rt.plan_kv_cache(kvs::kv_cache_bytes(c, kv_rows));
     std::cerr << rt.describe() << "\n";
 
     if (experiment == "generate") {
@@ -180,16 +203,14 @@ int main(int argc, char** argv) {
               cache.allocated_bytes(), resident, rss_growth, g.decode_percentile_ms(50), g.decode_percentile_ms(99), total_s);
       csv.commit();
     } else if (experiment == "perplexity") {
-      if (context == 0) context = seq_len;
-      if (context > seq_len) throw kvs::UsageError("--context " + std::to_string(context) + " exceeds the model's context of " + std::to_string(seq_len));
       kvs::CsvWriter csv({"--csv", options.csv}, "window,sinks,bits_per_byte,bytes,context", rt.inputs());
-      kvs::ch04::perplexity_vs_window(lab, windows_or(windows_text), sinks, context, max_bytes, csv);
+      kvs::ch04::perplexity_vs_window(lab, windows, sinks, context, max_bytes, csv);
     } else if (experiment == "recall") {
       kvs::CsvWriter csv({"--csv", options.csv}, "window,distance,recalled_share,passages", rt.inputs());
-      kvs::ch04::recall_vs_window(lab, windows_or(recall_windows_text), {128, 256, 512, 1024}, csv);
+      kvs::ch04::recall_vs_window(lab, windows, {128, 256, 512, 1024}, csv);
     } else if (experiment == "fluency") {
       kvs::CsvWriter csv({"--csv", options.csv}, "window,known_word_share,words,names_from_prompt_share,names", rt.inputs());
-      kvs::ch04::topic_and_fluency(lab, windows_or("full,512,128,32,8"), options.max_new_tokens, csv);
+      kvs::ch04::topic_and_fluency(lab, windows, options.max_new_tokens, csv);
     } else if (experiment == "stream") {
       kvs::CsvWriter csv({"--csv", options.csv}, "measure,config,window,sinks,layer,value,even_spread", rt.inputs());
       kvs::ch04::stream_past_context(lab, {window, sinks}, stream_bytes ? stream_bytes : 4 * seq_len, csv);
@@ -198,7 +219,7 @@ int main(int argc, char** argv) {
                          rt.inputs());
       kvs::ch04::memory_vs_length(lab, {window, sinks}, options.max_new_tokens, csv);
     } else {  // samples
-      kvs::ch04::samples(lab, windows_or("full,256,32"), sinks, options.max_new_tokens);
+      kvs::ch04::samples(lab, windows, sinks, options.max_new_tokens);
     }
     if (!options.csv.empty()) std::cerr << "wrote " << options.csv << "\n";
     return 0;
