@@ -48,8 +48,7 @@ void CpuBackend::copy(float* dst, const float* src, std::size_t floats) {
 }
 
 std::size_t CpuBackend::attention_scratch_floats(const AttentionShape& shape, int max_rows) const {
-  // Per head: (kQueryBlock, max_rows) scores, then one rotated query (head_dim) for read-time rotation.
-  return std::size_t(shape.n_heads) * (std::size_t(kQueryBlock) * max_rows + shape.head_dim);
+  return std::size_t(shape.n_heads) * kQueryBlock * max_rows;
 }
 
 void CpuBackend::embed(float* x, const float* table, std::span<const int> tokens, int dim) {
@@ -92,10 +91,9 @@ void CpuBackend::rope(float* x, const float* table, int n, int heads, int head_d
 
 void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvView& kv,
                            const AttentionShape& shape, std::span<float> scratch, float* weights) {
-  // Each head owns a fixed slice of the scratch, (kQueryBlock, max_rows) scores and a rotated query,
-  // whatever this view's size.
+  // Each head owns a fixed slice of the scratch, (kQueryBlock, max_rows) scores, whatever this view's size.
   const std::size_t head_stride = scratch.size() / shape.n_heads;
-  if (std::size_t(kQueryBlock) * kv.rows + shape.head_dim > head_stride)
+  if (std::size_t(kQueryBlock) * kv.rows > head_stride)
     throw std::invalid_argument("attention: the view has " + std::to_string(kv.rows) +
                                 " rows, more than the scratch was sized for");
   if (kv.read_rope && kv.window.size < 1)
@@ -110,14 +108,12 @@ void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvV
   // weighted sum are the same as below; only the scores differ in how they are made.
   auto one_head_rotating_at_read = [&](int h) {
     const int kv_head = h / group, pairs = head_dim / 2;
-    float* scores = scratch.data() + h * head_stride;                     // (rows)
-    float* query = scores + std::size_t(kQueryBlock) * kv.rows;           // (head_dim) rotated
+    float* scores = scratch.data() + h * head_stride;  // (rows)
     for (int i = 0; i < n; ++i) {
       const int query_pos = pos + i;
       const float* table = kv.read_rope;  // (window.size, pairs, 2)
-      std::memcpy(query, q + std::size_t(i) * dim + h * head_dim, head_dim * sizeof(float));
-      const int query_rotary = rotary_query_position(query_pos, kv.window);
-      for (int p = 0; p < pairs; ++p) rope_rotate(query + 2 * p, table + (std::size_t(query_rotary) * pairs + p) * 2);
+      const float* query = q + std::size_t(i) * dim + h * head_dim;  // unrotated: rotated pair by pair below
+      const float* query_cos_sin = table + std::size_t(rotary_query_position(query_pos, kv.window)) * pairs * 2;
       float max_score = minus_inf;
       for (int r = 0; r < kv.rows; ++r) {
         const int key_pos = kv.position_of(r);
@@ -127,9 +123,10 @@ void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvV
         const float* cos_sin = table + std::size_t(rotary_key_position(query_pos, key_pos, kv.window)) * pairs * 2;
         float dot = 0.0f;
         for (int p = 0; p < pairs; ++p) {
-          float pair[2] = {key[2 * p], key[2 * p + 1]};
-          rope_rotate(pair, cos_sin + 2 * p);
-          dot += query[2 * p] * pair[0] + query[2 * p + 1] * pair[1];
+          float k_pair[2] = {key[2 * p], key[2 * p + 1]}, q_pair[2] = {query[2 * p], query[2 * p + 1]};
+          rope_rotate(k_pair, cos_sin + 2 * p);
+          rope_rotate(q_pair, query_cos_sin + 2 * p);  // recomputed per row: no scratch for a rotated query
+          dot += q_pair[0] * k_pair[0] + q_pair[1] * k_pair[1];
         }
         scores[r] = dot * scale;
         max_score = std::max(max_score, scores[r]);
