@@ -148,39 +148,26 @@ TEST_CASE("attention: the backend equals the plain-loop reference on every kind 
         CHECK(compare_with_reference(backend, shape, d.view, 84, 1, gen) <= kTolerance);
       }
     }
-    SUBCASE("a ring after wrapping: rows out of order, never-written slots holding NaN") {
-      for (const Window window : {Window{8, 0}, Window{8, 4}, Window{5, 1}})
-        for (int n : {1, 3}) {
-          const Ring ring{window.size + n - 1, window.sinks};
-          for (int length : {2, window.size, 3 * window.size + 2}) {
-            CAPTURE(window.size);
-            CAPTURE(window.sinks);
-            CAPTURE(length);
-            const int pos = std::max(0, length - n);
-            std::vector<int> positions(ring.slots);
-            for (int slot = 0; slot < ring.slots; ++slot) positions[slot] = ring.position_in(slot, length);
-            const ViewData d = make_view(positions, kv_dim, stride, gen, true, 0, window);
-            CHECK(compare_with_reference(backend, shape, d.view, pos, length - pos, gen) <= kTolerance);
+    SUBCASE("a ring after wrapping: rows out of order, never-written slots holding NaN; keys rotated or not") {
+      // rotate_at_read: queries and keys unrotated, rotated by their positions within the window.
+      for (const bool rotate_at_read : {false, true})
+        for (const Window window : {Window{8, 0}, Window{8, 4}, Window{5, 1}})
+          for (int n : {1, 3}) {
+            const Ring ring{window.size + n - 1, window.sinks};
+            const std::vector<float> table = test::rope_table(window.size, shape.head_dim);
+            for (int length : {2, window.size, 3 * window.size + 2}) {
+              CAPTURE(rotate_at_read);
+              CAPTURE(window.size);
+              CAPTURE(window.sinks);
+              CAPTURE(length);
+              const int pos = std::max(0, length - n);
+              std::vector<int> positions(ring.slots);
+              for (int slot = 0; slot < ring.slots; ++slot) positions[slot] = ring.position_in(slot, length);
+              ViewData d = make_view(positions, kv_dim, stride, gen, true, 0, window);
+              if (rotate_at_read) d.view.read_rope = table.data();
+              CHECK(compare_with_reference(backend, shape, d.view, pos, length - pos, gen) <= kTolerance);
+            }
           }
-        }
-    }
-    SUBCASE("read-time rotation: queries and keys unrotated, rotated by their positions within the window") {
-      for (const Window window : {Window{8, 0}, Window{8, 4}, Window{5, 1}})
-        for (int n : {1, 3}) {
-          const Ring ring{window.size + n - 1, window.sinks};
-          const std::vector<float> table = test::rope_table(window.size, shape.head_dim);
-          for (int length : {2, window.size, 3 * window.size + 2}) {
-            CAPTURE(window.size);
-            CAPTURE(window.sinks);
-            CAPTURE(length);
-            const int pos = std::max(0, length - n);
-            std::vector<int> positions(ring.slots);
-            for (int slot = 0; slot < ring.slots; ++slot) positions[slot] = ring.position_in(slot, length);
-            ViewData d = make_view(positions, kv_dim, stride, gen, true, 0, window);
-            d.view.read_rope = table.data();
-            CHECK(compare_with_reference(backend, shape, d.view, pos, length - pos, gen) <= kTolerance);
-          }
-        }
     }
     SUBCASE("an empty row holding NaN between written rows") {
       const ViewData d = make_view({0, -1, 1}, kv_dim, stride, gen, true, 0, {});

@@ -83,39 +83,38 @@ TEST_CASE("sliding window: the ring equals a full cache masked to the window, ac
   CpuBackend backend(1);
   Model model(checkpoint, backend);
   const int W = 13;  // not a power of two
-  for (const Window window : {Window{W, 0}, Window{W, 4}})
-    for (int length : {W - 1, W, W + 1, 2 * W, 2 * W + 1})
-      for (int chunk : {1, 5, length}) {  // token by token, in chunks, in one call
-        CAPTURE(window.sinks);
-        CAPTURE(length);
-        CAPTURE(chunk);
-        const std::vector<int> tokens = random_tokens(length, c.vocab_size, length);
-        MaskedFullCache reference(backend, c, length, window);
-        ch04::SlidingWindowKvCache ring(backend, c, window, chunk);
-        CHECK(ring.slots() == W + chunk - 1);
-        const float worst = max_difference(all_logits(model, reference, tokens, 1), all_logits(model, ring, tokens, chunk));
-        CHECK(worst <= kTolerance);
-      }
+  // Within-window positions: the reference keeps unrotated keys and rotates them the same way; only the
+  // ring's slot arithmetic differs.
+  for (const ch04::KeyPositions positions : {ch04::KeyPositions::kAbsolute, ch04::KeyPositions::kWithinWindow})
+    for (const Window window : {Window{W, 0}, Window{W, 4}})
+      for (int length : {W - 1, W, W + 1, 2 * W, 2 * W + 1})
+        for (int chunk : {1, 5, length}) {  // token by token, in chunks, in one call
+          CAPTURE(ch04::to_string(positions));
+          CAPTURE(window.sinks);
+          CAPTURE(length);
+          CAPTURE(chunk);
+          const std::vector<int> tokens = random_tokens(length, c.vocab_size, length);
+          MaskedFullCache reference(backend, c, length, window, positions == ch04::KeyPositions::kWithinWindow);
+          ch04::SlidingWindowKvCache ring(backend, c, window, chunk, positions);
+          CHECK(ring.slots() == W + chunk - 1);
+          const float worst =
+              max_difference(all_logits(model, reference, tokens, 1), all_logits(model, ring, tokens, chunk));
+          CHECK(worst <= kTolerance);
+        }
 }
 
-TEST_CASE("sliding window, within-window positions: the ring equals a full cache masked and rotated the same way") {
+TEST_CASE("sliding window: the window matters - past it, a ring and a full unmasked cache disagree") {
   const Checkpoint checkpoint(test::golden_path("gqa.bin"));
   const ModelConfig& c = checkpoint.config();
   CpuBackend backend(1);
   Model model(checkpoint, backend);
-  const int W = 13;
-  for (const Window window : {Window{W, 0}, Window{W, 4}})
-    for (int length : {W - 1, W, W + 1, 2 * W, 2 * W + 1})
-      for (int chunk : {1, 5, length}) {
-        CAPTURE(window.sinks);
-        CAPTURE(length);
-        CAPTURE(chunk);
-        const std::vector<int> tokens = random_tokens(length, c.vocab_size, length + 7);
-        MaskedFullCache reference(backend, c, length, window, true);
-        ch04::SlidingWindowKvCache ring(backend, c, window, chunk, ch04::KeyPositions::kWithinWindow);
-        const float worst = max_difference(all_logits(model, reference, tokens, 1), all_logits(model, ring, tokens, chunk));
-        CHECK(worst <= kTolerance);
-      }
+  const std::vector<int> tokens = random_tokens(30, c.vocab_size, 3);
+  ch03::PreallocatedKvCache full(backend, c, 30);
+  ch04::SlidingWindowKvCache ring(backend, c, {8, 0}, 1);
+  const std::vector<float> a = all_logits(model, full, tokens, 1), b = all_logits(model, ring, tokens, 1);
+  const std::size_t inside = std::size_t(8) * c.vocab_size;  // the first 8 positions see everything in both
+  CHECK(max_difference({a.begin(), a.begin() + inside}, {b.begin(), b.begin() + inside}) <= kTolerance);
+  CHECK(max_difference(a, b) > 100 * kTolerance);
 }
 
 TEST_CASE("sliding window: both position variants agree until the first eviction, then differ only with sinks") {
@@ -163,20 +162,6 @@ TEST_CASE("sliding window, within-window positions: generation runs past the tra
   CHECK(std::ranges::all_of(g.tokens, [&](int t) { return t >= 0 && t < c.vocab_size; }));
   CHECK_THROWS_WITH(ch04::SlidingWindowKvCache(backend, c, {c.seq_len + 1, 0}, 1, ch04::KeyPositions::kWithinWindow),
                     doctest::Contains("past the model's trained context"));
-}
-
-TEST_CASE("sliding window: the window matters - past it, a ring and a full unmasked cache disagree") {
-  const Checkpoint checkpoint(test::golden_path("gqa.bin"));
-  const ModelConfig& c = checkpoint.config();
-  CpuBackend backend(1);
-  Model model(checkpoint, backend);
-  const std::vector<int> tokens = random_tokens(30, c.vocab_size, 3);
-  ch03::PreallocatedKvCache full(backend, c, 30);
-  ch04::SlidingWindowKvCache ring(backend, c, {8, 0}, 1);
-  const std::vector<float> a = all_logits(model, full, tokens, 1), b = all_logits(model, ring, tokens, 1);
-  const std::size_t inside = std::size_t(8) * c.vocab_size;  // the first 8 positions see everything in both
-  CHECK(max_difference({a.begin(), a.begin() + inside}, {b.begin(), b.begin() + inside}) <= kTolerance);
-  CHECK(max_difference(a, b) > 100 * kTolerance);
 }
 
 TEST_CASE("sliding window: a window as long as the sequence is the full cache, tokens and logits") {
