@@ -1,6 +1,7 @@
 #include "resident_memory.h"
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -20,6 +21,12 @@ std::int64_t resident_bytes(const void* data, std::size_t bytes) {
   std::int64_t pages = 0;
   for (unsigned char r : resident) pages += r & 1;
   return pages * static_cast<std::int64_t>(page);
+}
+
+std::int64_t peak_resident_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return std::int64_t{usage.ru_maxrss} * 1024;  // Linux reports KiB
 }
 
 }  // namespace kvs

@@ -11,4 +11,7 @@ namespace kvs {
 // Bytes of the pages overlapping [data, data + bytes) that are resident (whole pages).
 std::int64_t resident_bytes(const void* data, std::size_t bytes);
 
+// The process's peak resident memory so far (getrusage's ru_maxrss): it only grows.
+std::int64_t peak_resident_bytes();
+
 }  // namespace kvs

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "checkpoint.h"
-#include "rope.h"
+#include "cpu_backend.h"
 
 namespace kvs::test {
 
@@ -29,11 +29,11 @@ inline bool sanitizer_run() {
 }
 inline int test_threads() { return sanitizer_run() ? 1 : 2; }
 
-// [cos, sin] of positions 0 .. positions-1 for every pair of a head (positions, head_dim/2, 2), from rope.h.
+// [cos, sin] of positions 0 .. positions-1 for every pair of a head (positions, head_dim/2, 2): the CPU
+// backend's table, in host memory (a read-time rotation table for a test's view).
 inline std::vector<float> rope_table(int positions, int head_dim) {
   std::vector<float> table(std::size_t(positions) * head_dim);
-  for (int p = 0; p < positions; ++p)
-    for (int pair = 0; pair < head_dim / 2; ++pair) rope_cos_sin(p, pair, head_dim, &table[(std::size_t(p) * head_dim / 2 + pair) * 2]);
+  CpuBackend(1).rope_table(table.data(), 0, positions, head_dim);
   return table;
 }
 

@@ -4,8 +4,6 @@
 // The prompt is prefilled in one batched forward pass (matrix-matrix products), or in chunks of
 // --prefill-chunk positions; then each new token is one position (matrix-vector products) whose
 // attention reads the cache. The decode loop allocates nothing: the binary counts heap allocations.
-#include <sys/resource.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -21,12 +19,6 @@
 namespace {
 
 constexpr const char* kDefaultPrompt = "And God said, ";
-
-long peak_rss_bytes() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_maxrss * 1024L;  // Linux reports KiB
-}
 
 }  // namespace
 
@@ -77,7 +69,7 @@ int main(int argc, char** argv) {
     // Warm-up without a cache: the model's own working buffers get written once, so that the RSS growth
     // measured below is the cache's.
     rt.model.forward(rt.prompt, 0);
-    const long rss_before = peak_rss_bytes();
+    const std::int64_t rss_before = kvs::peak_resident_bytes();
     kvs::ch03::PreallocatedKvCache cache(rt.backend, c, max_context);  // the only allocation of the cache
     kvs::Sampler sampler = rt.new_sampler();
     long allocations_at_first_token = 0;
@@ -92,7 +84,7 @@ int main(int argc, char** argv) {
           }
         });
     const long decode_allocations = kvs::heap_allocations() - allocations_at_first_token;
-    const long rss_growth = peak_rss_bytes() - rss_before;
+    const std::int64_t rss_growth = kvs::peak_resident_bytes() - rss_before;
     std::fflush(stdout);
 
     if (options.max_new_tokens > 0)
@@ -126,7 +118,7 @@ int main(int argc, char** argv) {
     else
       std::fprintf(stderr, "  resident in memory: not measured (the cache is in GPU memory)\n");
     std::fprintf(stderr, "  peak RSS growth during the run: %s (pages are only backed when first written)\n",
-                 kvs::format_bytes(std::max(0L, rss_growth)).c_str());
+                 kvs::format_bytes(std::max<std::int64_t>(0, rss_growth)).c_str());
     kvs::ch03::print_memory_comparison(c, budget);
     csv.row(rt.prompt.size(), options.max_new_tokens, prefill_chunk, g.ttft_ms(), g.decode_median_ms(),
             g.decode_tokens_per_s(), max_context, analytic, cache.allocated_bytes(), resident, rss_growth);

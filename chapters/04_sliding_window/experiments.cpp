@@ -1,7 +1,5 @@
 #include "experiments.h"
 
-#include <sys/resource.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -17,17 +15,12 @@
 namespace kvs::ch04 {
 namespace {
 
-long peak_rss_bytes() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_maxrss * 1024L;  // Linux reports KiB
-}
-
-// Nats summed over the scored predictions, and how many.
+// Nats summed over the scored predictions, how many, and how many the model got right (its most likely
+// next byte was the true one).
 struct Nats {
   double sum = 0;
-  long scored = 0;
-  void operator+=(const Nats& o) { sum += o.sum, scored += o.scored; }
+  long scored = 0, correct = 0;
+  void operator+=(const Nats& o) { sum += o.sum, scored += o.scored, correct += o.correct; }
   double bits_per_byte() const { return scored ? sum / scored / std::log(2.0) : 0.0; }
 };
 
@@ -44,7 +37,9 @@ Scores teacher_forced(const Lab& lab, KvCache& cache, std::span<const int> token
     const int len = std::min(lab.chunk, n - 1 - pos);  // inputs; the targets are the next len tokens
     const auto logits = model.forward(tokens.subspan(pos, len), pos, &cache, Logits::kAllPositions);
     for (int i = 0; i < len; ++i) {
-      const Nats one{next_token_nats(logits.data() + std::size_t(i) * vocab, vocab, tokens[pos + i + 1]), 1};
+      const float* row = logits.data() + std::size_t(i) * vocab;
+      const int target = tokens[pos + i + 1];
+      const Nats one{next_token_nats(row, vocab, target), 1, std::max_element(row, row + vocab) - row == target};
       scores.all += one;
       if (pos + i >= late_from) scores.late += one;
     }
@@ -139,7 +134,6 @@ void recall_vs_window(const Lab& lab, const std::vector<int>& windows, const std
   // guesses without having seen the passage).
   constexpr int kPassage = 96, kCue = 32, kPassages = 8;
   const std::vector<std::string> chosen = passages(lab.held_out, kPassages, kPassage);
-  const int vocab = lab.rt.model.config().vocab_size;
   std::fprintf(stderr, "exact recall: the share of a passage's last %d bytes predicted exactly (teacher-forced) when the\n"
                        "passage was seen `d` bytes earlier; mean of %zu passages\n\n  %-12s",
                kPassage - kCue, chosen.size(), "window");
@@ -151,25 +145,17 @@ void recall_vs_window(const Lab& lab, const std::vector<int>& windows, const std
     std::fprintf(stderr, "  %-12s", size < 0 ? "not seen" : window_name(size).c_str());
     for (int distance : distances) {
       const int filler = distance - kPassage - 2;
-      int correct = 0, scored = 0;
+      long correct = 0, scored = 0;
       for (std::size_t k = 0; k < chosen.size(); ++k) {
         // Unrelated text: from the other half of the held-out text.
         const std::size_t from = line_start(lab.held_out, (lab.held_out.size() / 2 + k * 9973) % lab.held_out.size());
         const std::string first = size < 0 ? std::string(kPassage, ' ') : chosen[k];  // not seen: blanks instead
         const std::vector<int> text = encode_bytes(first + "\n" + lab.held_out.substr(from, filler) + "\n" + chosen[k]);
-        const int n = static_cast<int>(text.size()), score_from = n - (kPassage - kCue);  // positions of the scored bytes
+        const int n = static_cast<int>(text.size()), scored_bytes = kPassage - kCue;
         auto cache = make_cache(lab, {std::max(size, 0), 0}, n);
-        for (int pos = 0; pos < n - 1; pos += lab.chunk) {
-          const int len = std::min(lab.chunk, n - 1 - pos);
-          const auto logits = lab.rt.model.forward(std::span<const int>(text).subspan(pos, len), pos, cache.get(),
-                                                   Logits::kAllPositions);
-          for (int i = 0; i < len; ++i) {
-            if (pos + i + 1 < score_from) continue;  // the logits at pos+i predict the byte at pos+i+1
-            const float* row = logits.data() + std::size_t(i) * vocab;
-            correct += std::max_element(row, row + vocab) - row == text[pos + i + 1];
-            ++scored;
-          }
-        }
+        // The last scored_bytes bytes are predicted at the positions just before them.
+        const Nats repeat = teacher_forced(lab, *cache, text, n - scored_bytes - 1).late;
+        correct += repeat.correct, scored += repeat.scored;
       }
       const double share = double(correct) / scored;
       std::fprintf(stderr, " %9.2f", share);
@@ -314,7 +300,7 @@ void memory_vs_length(const Lab& lab, Window window, int new_tokens, CsvWriter& 
     auto cache = make_cache(lab, w, int(prompt.size()) + tokens);
     std::vector<std::int64_t> resident, rss;
     const Generation g = generate_with(lab, *cache, prompt, tokens, [&](int step, std::span<const float>) {
-      if ((step + 1) % kBlock == 0 || step + 1 == tokens) resident.push_back(cache_resident_bytes(*cache)), rss.push_back(peak_rss_bytes());
+      if ((step + 1) % kBlock == 0 || step + 1 == tokens) resident.push_back(cache_resident_bytes(*cache)), rss.push_back(kvs::peak_resident_bytes());
     });
     const std::string name = w.size == 0 ? "full" : "window " + std::to_string(w.size);
     for (std::size_t b = 0; b < resident.size(); ++b) {

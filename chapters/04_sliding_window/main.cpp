@@ -5,8 +5,6 @@
 // position p sees the `sinks` first positions and the window - sinks most recent ones (kv_cache.h's
 // key_visible). --experiment generate (the default) streams a generation and shows that memory stays flat;
 // the other experiments measure what the window costs (experiments.h).
-#include <sys/resource.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
@@ -22,12 +20,6 @@ namespace {
 
 constexpr const char* kDefaultPrompt = "And God said, ";
 constexpr const char* kExperiments = "generate, perplexity, recall, fluency, stream, memory, samples";
-
-long peak_rss_bytes() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_maxrss * 1024L;  // Linux reports KiB
-}
 
 // "full,1024,64" -> {0, 1024, 64}; 0 stands for no window.
 std::vector<int> parse_windows(const std::string& text, int seq_len) {
@@ -174,7 +166,7 @@ int main(int argc, char** argv) {
                 << " positions, " << options.max_new_tokens << " new tokens after a " << prompt_tokens
                 << "-token prompt, prefill in chunks of " << chunk << "\n\n";
       rt.model.forward(std::span<const int>(rt.prompt).first(std::min(prompt_tokens, chunk)), 0);  // warm-up
-      const long rss_before = peak_rss_bytes();
+      const std::int64_t rss_before = kvs::peak_resident_bytes();
       kvs::ch04::SlidingWindowKvCache cache(rt.backend, c, {window, sinks}, chunk, positions);
       kvs::Sampler sampler = rt.new_sampler();
       for (int token : rt.prompt) kvs::emit_token(token);
@@ -182,7 +174,7 @@ int main(int argc, char** argv) {
       const kvs::Generation g = kvs::generate_cached(rt.model, cache, sampler, rt.prompt, options.max_new_tokens, chunk,
                                                      kvs::emit_token);
       const double total_s = wall.milliseconds() / 1000;
-      const long rss_growth = peak_rss_bytes() - rss_before;
+      const std::int64_t rss_growth = kvs::peak_resident_bytes() - rss_before;
       std::fflush(stdout);
       const int cached = cache.length();
       std::fprintf(stderr, "\n\n%d positions went through a ring of %d slots (window %d + chunk %d - 1)\n", cached,
@@ -193,7 +185,7 @@ int main(int argc, char** argv) {
       const std::int64_t resident = cache.resident_bytes();
       std::fprintf(stderr, "  resident (mincore): %s; peak RSS growth during the run: %s\n",
                    resident < 0 ? "not measured (GPU memory)" : kvs::format_bytes(double(resident)).c_str(),
-                   kvs::format_bytes(double(std::max(0L, rss_growth))).c_str());
+                   kvs::format_bytes(double(std::max<std::int64_t>(0, rss_growth))).c_str());
       std::fprintf(stderr, "  a full cache of the same %d positions: %s\n", cached,
                    kvs::format_bytes(double(kvs::kv_cache_bytes(c, cached))).c_str());
       if (options.max_new_tokens > 1)

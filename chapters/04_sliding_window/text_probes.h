@@ -1,9 +1,8 @@
 #pragma once
-// What a forgetful cache costs, scored on text: chapter 04's three probes, as plain functions of strings.
-//   exact recall      how many bytes of a passage the model reproduces after seeing its opening again;
+// What a forgetful cache costs, scored on generated text: two of chapter 04's probes, as plain functions of
+// strings (the third, exact recall, is scored on the model's predictions: experiments.cpp).
 //   topic consistency the share of proper names in a continuation that the prompt contains;
 //   local fluency     the share of a continuation's words that are words of the corpus.
-#include <algorithm>
 #include <cctype>
 #include <set>
 #include <string>
@@ -11,13 +10,6 @@
 #include <vector>
 
 namespace kvs::ch04 {
-
-// Bytes of `generated` equal to `expected` before the first difference, as a share of expected's length.
-inline double recalled_share(std::string_view generated, std::string_view expected) {
-  if (expected.empty()) return 1.0;
-  const auto first_difference = std::mismatch(expected.begin(), expected.end(), generated.begin(), generated.end());
-  return double(first_difference.first - expected.begin()) / double(expected.size());
-}
 
 // The words of a text: maximal runs of ASCII letters, as written (case kept).
 inline std::vector<std::string> words_of(std::string_view text) {
