@@ -53,8 +53,15 @@ Generation generate_naive(Model& model, Sampler& sampler, std::span<const int> p
 
 Generation generate_cached(Model& model, KvCache& cache, Sampler& sampler, std::span<const int> prompt,
                            int max_new_tokens, int prefill_chunk, const OnToken& on_token,
-                           const OnLogits& on_logits) {
+                           const OnLogits& on_logits, std::span<const int> forced_tokens) {
   Generation g = start(prompt, max_new_tokens);
+  if (!forced_tokens.empty() && static_cast<int>(forced_tokens.size()) < max_new_tokens)
+    throw std::invalid_argument("generate_cached: " + std::to_string(forced_tokens.size()) + " forced tokens for " +
+                                std::to_string(max_new_tokens) + " new tokens; give one per new token");
+  // The token generated at `step`: the sampler's choice, or the forced one.
+  auto next = [&](int step, std::span<const float> logits) {
+    return forced_tokens.empty() ? sampler.sample(logits) : forced_tokens[step];
+  };
   if (cache.length() != 0)
     throw std::invalid_argument("generate_cached: the cache already holds " + std::to_string(cache.length()) +
                                 " positions; start from an empty cache");
@@ -68,14 +75,14 @@ Generation generate_cached(Model& model, KvCache& cache, Sampler& sampler, std::
   std::span<const float> logits;
   for (int pos = 0; pos < prompt_len; pos += chunk)
     logits = model.forward(prompt.subspan(pos, std::min(chunk, prompt_len - pos)), pos, &cache);
-  accept(g, 0, sampler.sample(logits), logits, timer, on_token, on_logits);
+  accept(g, 0, next(0, logits), logits, timer, on_token, on_logits);
 
   // Decode: one new position per step; everything before it is read from the cache.
   for (int step = 1; step < max_new_tokens; ++step) {
     timer = Stopwatch();
     const int pos = static_cast<int>(g.tokens.size()) - 1;  // the token generated last is not cached yet
     logits = model.forward(std::span<const int>(&g.tokens[pos], 1), pos, &cache);
-    accept(g, step, sampler.sample(logits), logits, timer, on_token, on_logits);
+    accept(g, step, next(step, logits), logits, timer, on_token, on_logits);
   }
   return g;
 }

@@ -38,8 +38,12 @@ Generation generate_naive(Model& model, Sampler& sampler, std::span<const int> p
 // `prefill_chunk` positions (0 = the whole prompt in one call) - and their K/V into `cache`; then decode -
 // each new token is one forward pass over one position that reads every earlier position from the cache.
 // The cache must be empty (nothing cached yet). Both loops throw std::invalid_argument for an empty prompt.
+// Teacher forcing (chapters 05-06): with `forced_tokens`, generated token s is forced_tokens[s] whatever the
+// logits say (the sampler is not asked), so two runs see the same context and differ only in their caches;
+// it must hold max_new_tokens tokens. on_logits may read or overwrite the cache (KvCache::row): it runs
+// between forward passes.
 Generation generate_cached(Model& model, KvCache& cache, Sampler& sampler, std::span<const int> prompt,
                            int max_new_tokens, int prefill_chunk = 0, const OnToken& on_token = {},
-                           const OnLogits& on_logits = {});
+                           const OnLogits& on_logits = {}, std::span<const int> forced_tokens = {});
 
 }  // namespace kvs

@@ -6,8 +6,11 @@
 //   write(layer, pos, n, k, v)              per layer: store the new positions' keys and values;
 //   view(layer)                             per layer: the rows this layer's attention may read.
 // A cache policy (a chapter's lesson) decides where K/V live and which rows are visible; the forward
-// pass never changes from one chapter to the next.
+// pass never changes from one chapter to the next. Between forward passes an experiment may read or
+// overwrite what the cache holds, one row at a time (row(); chapter 05 corrupts a key that way).
 #include <cstddef>
+#include <stdexcept>
+#include <string>
 
 #include "host_device.h"
 
@@ -68,6 +71,13 @@ struct KvView {
   }
 };
 
+// One cached position of one layer: its key and its value, kv_dim floats each (n_kv_heads heads of
+// head_dim), in the backend's memory and writable.
+struct KvRow {
+  float* key = nullptr;
+  float* value = nullptr;
+};
+
 class KvCache {
  public:
   virtual ~KvCache() = default;
@@ -83,7 +93,28 @@ class KvCache {
   // Whether the model must leave q and k unrotated, because attention rotates them as it reads (the
   // views carry read_rope). Only chapter 04's streaming variant says yes.
   virtual bool rotates_at_read() const { return false; }
+  // Where `layer` keeps `position`, for an experiment that reads or overwrites a cached row between forward
+  // passes (valid until the next prepare). Throws std::out_of_range (see row_error) for a layer the cache
+  // does not have or a position it does not hold: not written yet, or evicted.
+  virtual KvRow row(int layer, int position) = 0;
 };
+
+// What every cache's write checks first: the layer exists and [pos, pos + n) lies inside the positions the
+// last prepare announced (so inside the storage the cache owns). A write anywhere else is refused, never
+// carried out: a shifted index (chapter 06) must not corrupt the heap.
+inline void check_write(const char* cache, int layer, int n_layers, int pos, int n, int prepared_end) {
+  if (layer < 0 || layer >= n_layers || pos < 0 || n < 0 || pos + n > prepared_end)
+    throw std::out_of_range(std::string(cache) + ": a write of positions " + std::to_string(pos) + ".." +
+                            std::to_string(pos + n - 1) + " in layer " + std::to_string(layer) + " is outside the " +
+                            std::to_string(prepared_end) + " prepared positions of " + std::to_string(n_layers) +
+                            " layers; call prepare first and write only what it announced");
+}
+
+// The one message of KvCache::row's refusal.
+inline std::out_of_range row_error(const char* cache, int layer, int position, const std::string& why) {
+  return std::out_of_range(std::string(cache) + ": no row for layer " + std::to_string(layer) + ", position " +
+                           std::to_string(position) + ": " + why);
+}
 
 // "No cache": the keys and values of the current call only, read straight from the model's k and v
 // buffers; nothing survives the call. Attending over a whole sequence from position 0 is exactly naive
@@ -97,6 +128,7 @@ class CallLocalKv final : public KvCache {
     return KvView{.keys = k_, .values = v_, .rows = n_, .row_stride = kv_dim_, .first_position = pos_};
   }
   int length() const override { return 0; }  // nothing survives a call
+  KvRow row(int layer, int position) override { throw row_error("CallLocalKv", layer, position, "it keeps nothing"); }
 
  private:
   int kv_dim_;

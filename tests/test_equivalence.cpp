@@ -1,14 +1,7 @@
 // Cached greedy decoding reproduces naive decoding token for token, for every cache policy and prefill
 // chunking, on the shipped model and on a random GQA checkpoint with awkward sizes.
 //
-// Per-step logits must agree within kTolerance. Why not bit for bit: naive recomputes each position's
-// keys with a matrix-matrix product over the whole sequence, the cache computed them once with a
-// matrix-vector product (or a GEMM over a chunk); the sums run in other orders, which leaves differences
-// of about 1e-5 on logits of magnitude ~10 (the largest seen is printed). Any real error - a row written
-// at the wrong position, a missing key, a wrong mask - moves logits by much more than 1e-3.
-// Tokens are compared up to the first near-tie: a step where the reference's two best logits are within
-// the tolerance, so rounding may legitimately pick either (transformers' cached-vs-recompute test does
-// the same).
+// The check itself (tolerance, near-ties) is common/equivalence.h's: chapter 06 runs the same one.
 #include <doctest/doctest.h>
 
 #include <Eigen/Core>
@@ -26,6 +19,7 @@
 #include "03_preallocated_cache/preallocated_kv_cache.h"
 #include "cli.h"
 #include "cpu_backend.h"
+#include "equivalence.h"
 #include "generate.h"
 #include "test_backends.h"
 #include "test_util.h"
@@ -35,38 +29,14 @@ using namespace kvs;
 
 namespace {
 
-constexpr float kTolerance = 1e-3f;
+using Run = RecordedRun;
 
-struct Run {
-  std::vector<int> tokens;
-  std::vector<std::vector<float>> logits;  // per generated token
-};
-
-Run record(const std::function<Generation(const OnLogits&)>& generate) {
-  Run run;
-  const Generation g = generate([&](int, std::span<const float> logits) { run.logits.emplace_back(logits.begin(), logits.end()); });
-  run.tokens = g.tokens;
-  return run;
-}
-
-float top2_gap(const std::vector<float>& logits) {
-  std::vector<float> sorted = logits;
-  std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
-  return sorted[0] - sorted[1];
-}
-
-// Compares `run` with the naive `reference` step by step; returns the number of steps compared.
+// Compares `run` with the naive `reference`; returns the number of steps compared.
 int compare(const Run& reference, const Run& run, int prompt_len, float& worst) {
-  REQUIRE(run.logits.size() == reference.logits.size());
-  int step = 0;
-  for (; step < static_cast<int>(reference.logits.size()); ++step) {
-    const auto& a = reference.logits[step];
-    const auto& b = run.logits[step];
-    for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
-    if (top2_gap(a) <= kTolerance) break;  // near-tie: either token is a correct answer from here on
-    CHECK(run.tokens[prompt_len + step] == reference.tokens[prompt_len + step]);
-  }
-  return step;
+  const Equivalence e = check_equivalence(reference, run, prompt_len);
+  CHECK(e.first_token_mismatch == -1);
+  worst = std::max(worst, e.worst_logit_difference);
+  return e.steps - (e.near_tie >= 0 ? 1 : 0);  // tokens compared before the first near-tie
 }
 
 std::string validation_text() {
@@ -130,7 +100,7 @@ void check_all_policies(const std::string& model_path, const std::vector<std::st
       const int compared = compare(naive, cached, n, worst);
       MESSAGE(backend_name << ", " << m.name << ", prompt " << n << ": " << compared << " of " << new_tokens
                      << " tokens identical before the first near-tie; largest logit difference " << worst);
-      CHECK(worst <= kTolerance);
+      CHECK(worst <= kLogitTolerance);
       CHECK(compared >= std::min(new_tokens, 50));  // a near-tie this early would make the test toothless
     }
   }
@@ -188,6 +158,7 @@ TEST_CASE("equivalence: the comparison catches a cache that hides its newest key
       return v;
     }
     int length() const override { return inner.length(); }
+    KvRow row(int layer, int position) override { return inner.row(layer, position); }
   };
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   CpuBackend backend(test::test_threads());
@@ -207,7 +178,10 @@ TEST_CASE("equivalence: the comparison catches a cache that hides its newest key
     for (std::size_t i = 0; i < naive.logits[step].size(); ++i)
       worst = std::max(worst, std::abs(naive.logits[step][i] - broken.logits[step][i]));
   MESSAGE("largest logit difference with the broken cache: " << worst);
-  CHECK(worst > 100 * kTolerance);
+  CHECK(worst > 100 * kLogitTolerance);
+  const Equivalence e = check_equivalence(naive, broken, static_cast<int>(prompt.size()));
+  CHECK(!e.passed());
+  CHECK(e.first_logit_mismatch == 0);
 }
 
 TEST_CASE("decode allocates nothing: no heap allocation in 50 decode steps, on 1 and 2 threads") {

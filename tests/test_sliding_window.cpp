@@ -41,6 +41,7 @@ struct MaskedFullCache final : KvCache {
     return v;
   }
   int length() const override { return full.length(); }
+  KvRow row(int layer, int position) override { return full.row(layer, position); }
   bool rotates_at_read() const override { return !table.empty(); }
 };
 

@@ -82,6 +82,7 @@ class GrowingKvCache final : public KvCache {
   }
 
   void write(int layer, int pos, int n, const float* k, const float* v) override {
+    check_write("GrowingKvCache", layer, static_cast<int>(keys_.size()), pos, n, length_);
     backend_.copy(keys_[layer].data() + std::size_t(pos) * kv_dim_, k, std::size_t(n) * kv_dim_);
     backend_.copy(values_[layer].data() + std::size_t(pos) * kv_dim_, v, std::size_t(n) * kv_dim_);
   }
@@ -91,6 +92,13 @@ class GrowingKvCache final : public KvCache {
   }
 
   int length() const override { return length_; }
+  KvRow row(int layer, int position) override {
+    if (layer < 0 || layer >= static_cast<int>(keys_.size()) || position < 0 || position >= length_)
+      throw row_error("GrowingKvCache", layer, position,
+                      "it holds positions 0.." + std::to_string(length_ - 1) + " of layers 0.." + std::to_string(keys_.size() - 1));
+    const std::size_t row = std::size_t(position) * kv_dim_;
+    return {keys_[layer].data() + row, values_[layer].data() + row};
+  }
   int capacity() const { return capacity_; }
   std::int64_t allocations() const { return allocations_; }    // buffers allocated so far
   std::int64_t bytes_copied() const { return bytes_copied_; }  // old rows copied into new buffers

@@ -28,6 +28,7 @@ class PreallocatedKvCache final : public KvCache {
   PreallocatedKvCache(Backend& backend, const ModelConfig& config, int max_positions)
       : backend_(backend),
         kv_dim_(config.kv_dim()),
+        n_layers_(config.n_layers),
         max_positions_(max_positions),
         storage_(backend, std::size_t(config.n_layers) * 2 * max_positions * config.kv_dim()) {}
 
@@ -42,6 +43,7 @@ class PreallocatedKvCache final : public KvCache {
   }
 
   void write(int layer, int pos, int n, const float* k, const float* v) override {
+    check_write("PreallocatedKvCache", layer, n_layers_, pos, n, length_);
     const std::size_t row = std::size_t(pos) * kv_dim_;
     backend_.copy(storage_.data() + block(layer, 0) + row, k, std::size_t(n) * kv_dim_);
     backend_.copy(storage_.data() + block(layer, 1) + row, v, std::size_t(n) * kv_dim_);
@@ -53,6 +55,13 @@ class PreallocatedKvCache final : public KvCache {
   }
 
   int length() const override { return length_; }
+  KvRow row(int layer, int position) override {
+    if (layer < 0 || layer >= n_layers_ || position < 0 || position >= length_)
+      throw row_error("PreallocatedKvCache", layer, position,
+                      "it holds positions 0.." + std::to_string(length_ - 1) + " of layers 0.." + std::to_string(n_layers_ - 1));
+    const std::size_t row = std::size_t(position) * kv_dim_;
+    return {storage_.data() + block(layer, 0) + row, storage_.data() + block(layer, 1) + row};
+  }
   int max_positions() const { return max_positions_; }
   std::int64_t allocated_bytes() const { return std::int64_t(storage_.size()) * sizeof(float); }
   // Of those, the bytes physically in memory now: the pages written so far (see resident_memory.h).
@@ -67,7 +76,7 @@ class PreallocatedKvCache final : public KvCache {
   std::size_t block(int layer, int kv) const { return (std::size_t(layer) * 2 + kv) * max_positions_ * kv_dim_; }
 
   Backend& backend_;
-  int kv_dim_, max_positions_;
+  int kv_dim_, n_layers_, max_positions_;
   Buffer storage_;  // (layers, 2, max_positions, kv_dim)
   int length_ = 0;
 };

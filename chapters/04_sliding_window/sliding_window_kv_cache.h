@@ -76,8 +76,7 @@ class SlidingWindowKvCache final : public KvCache {
   }
 
   void write(int layer, int pos, int n, const float* k, const float* v) override {
-    if (layer < 0 || layer >= n_layers_ || pos < 0 || pos + n > length_)
-      throw std::invalid_argument("SlidingWindowKvCache: write outside the prepared positions");
+    check_write("SlidingWindowKvCache", layer, n_layers_, pos, n, length_);
     for (int i = 0; i < n; ++i) {  // one row per position: consecutive positions may wrap
       const std::size_t row = std::size_t(ring_.write_slot(pos + i)) * kv_dim_;
       backend_.copy(storage_.data() + block(layer, 0) + row, k + std::size_t(i) * kv_dim_, kv_dim_);
@@ -93,6 +92,14 @@ class SlidingWindowKvCache final : public KvCache {
   }
 
   int length() const override { return length_; }
+  KvRow row(int layer, int position) override {
+    const int slot = position >= 0 ? ring_.write_slot(position) : 0;
+    if (layer < 0 || layer >= n_layers_ || position < 0 || slot_positions_[slot] != position)
+      throw row_error("SlidingWindowKvCache", layer, position,
+                      position >= 0 && position < length_ ? "evicted from the ring" : "not in the ring");
+    const std::size_t row = std::size_t(slot) * kv_dim_;
+    return {storage_.data() + block(layer, 0) + row, storage_.data() + block(layer, 1) + row};
+  }
   bool rotates_at_read() const override { return positions_ == KeyPositions::kWithinWindow; }
   KeyPositions positions() const { return positions_; }
   int slots() const { return ring_.slots; }

@@ -1,0 +1,95 @@
+#include "break_run.h"
+
+#include <algorithm>
+#include <string>
+
+#include "cli.h"
+#include "generate.h"
+#include "sampler.h"
+
+namespace kvs::ch05 {
+
+AttentionOnPosition::AttentionOnPosition(const ModelConfig& config, int layer, int kv_head, int position)
+    : layer_(layer), kv_head_(kv_head), position_(position), n_heads_(config.n_heads), group_(config.group()),
+      last_(config.group(), 0.0f) {}
+
+void AttentionOnPosition::on_attention(int layer, int, int n, const KvView& view, std::span<const float> weights) {
+  if (layer != layer_) return;
+  std::fill(last_.begin(), last_.end(), 0.0f);
+  for (int r = 0; r < view.rows; ++r) {
+    if (view.position_of(r) != position_) continue;
+    for (int g = 0; g < group_; ++g) {  // query heads kv_head * group .. + group - 1 read this KV head
+      const int head = kv_head_ * group_ + g;
+      last_[g] = weights[(std::size_t(n - 1) * n_heads_ + head) * view.rows + r];
+    }
+  }
+}
+
+void check_corruption(const Corruption& c, const ModelConfig& config, int prompt_len, int new_tokens) {
+  auto range = [](const std::string& flag, int value, int end, const std::string& what) {
+    if (value < 0 || value >= end)
+      throw UsageError(flag + " " + std::to_string(value) + " is out of range: " + what + " 0.." + std::to_string(end - 1));
+  };
+  range("--layer", c.layer, config.n_layers, "the model has layers");
+  range("--kv-head", c.kv_head, config.n_kv_heads, "the model has KV heads");
+  range("--at-step", c.at_step, std::max(1, new_tokens - 1),
+        "a corruption must happen before the last of the " + std::to_string(new_tokens) + " new tokens, at steps");
+  const int cached = prompt_len + c.at_step;  // positions in the cache right after token at_step is produced
+  range("--position", c.position, cached,
+        "at step " + std::to_string(c.at_step) + " the cache holds positions");
+}
+
+BreakRun run_greedy(Model& model, std::span<const int> prompt, int new_tokens, const BreakOptions& options) {
+  const ModelConfig& config = model.config();
+  Backend& backend = model.backend();
+  BreakRun run;
+  run.cache = std::make_unique<ch03::PreallocatedKvCache>(backend, config, static_cast<int>(prompt.size()) + new_tokens);
+  if (options.attention) run.attention.reserve(new_tokens);
+  std::vector<float> original;  // the corrupted vector's bytes, for Restore::kVector
+  auto between_steps = [&](int step, std::span<const float> logits) {
+    run.recorded.logits.emplace_back(logits.begin(), logits.end());
+    if (options.attention) run.attention.emplace_back(options.attention->last().begin(), options.attention->last().end());
+    const Corruption* c = options.corruption;
+    if (c && step == c->at_step) original = corrupt(backend, *run.cache, config, *c);
+    if (c && step == options.restore_at_step) {
+      if (options.restore == Restore::kVector) restore(backend, *run.cache, config, *c, original);
+      if (options.restore == Restore::kAllRows)
+        for (int layer = 0; layer < config.n_layers; ++layer)
+          for (int p = 0; p < run.cache->length(); ++p) {
+            const KvRow from = options.clean_cache->row(layer, p), to = run.cache->row(layer, p);
+            backend.copy(to.key, from.key, config.kv_dim());
+            backend.copy(to.value, from.value, config.kv_dim());
+          }
+    }
+  };
+  model.observe_attention(options.attention);
+  Sampler greedy(config.vocab_size, {});
+  const Generation g =
+      generate_cached(model, *run.cache, greedy, prompt, new_tokens, 0, {}, between_steps, options.forced);
+  model.observe_attention(nullptr);
+  run.recorded.tokens = g.tokens;
+  return run;
+}
+
+CacheDifference compare_caches(Backend& backend, const ModelConfig& config, KvCache& a, KvCache& b) {
+  const int positions = std::min(a.length(), b.length()), kv_dim = config.kv_dim();
+  CacheDifference d{std::vector<std::vector<float>>(config.n_layers, std::vector<float>(positions)),
+                    std::vector<std::vector<float>>(config.n_layers, std::vector<float>(positions))};
+  std::vector<float> x(kv_dim), y(kv_dim);
+  auto max_difference = [&](const float* p, const float* q) {
+    backend.to_host(x.data(), p, kv_dim);
+    backend.to_host(y.data(), q, kv_dim);
+    float m = 0;
+    for (int i = 0; i < kv_dim; ++i) m = std::max(m, std::abs(x[i] - y[i]));
+    return m;
+  };
+  for (int layer = 0; layer < config.n_layers; ++layer)
+    for (int p = 0; p < positions; ++p) {
+      const KvRow ra = a.row(layer, p), rb = b.row(layer, p);
+      d.keys[layer][p] = max_difference(ra.key, rb.key);
+      d.values[layer][p] = max_difference(ra.value, rb.value);
+    }
+  return d;
+}
+
+}  // namespace kvs::ch05
