@@ -225,6 +225,26 @@ std::int64_t parse_bytes(const std::string& text) {
   return static_cast<std::int64_t>(bytes);
 }
 
+std::vector<int> parse_int_list(const std::string& flag, const std::string& text, int min, int max) {
+  std::vector<int> values;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    std::size_t used = 0;
+    long long n = 0;
+    try {
+      n = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (item.empty() || used != item.size() || n < min || n > max)
+      throw UsageError(flag + " expects whole numbers from " + std::to_string(min) + " to " + std::to_string(max) +
+                       " separated by commas, got '" + text + "'");
+    values.push_back(static_cast<int>(n));
+  }
+  if (values.empty()) throw UsageError(flag + " is empty; give whole numbers separated by commas");
+  return values;
+}
+
 std::string format_bytes(double bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int u = 0;

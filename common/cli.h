@@ -98,6 +98,9 @@ int available_cores();
 // which would round to 0 or 1 byte, are not). Throws std::invalid_argument for anything else.
 std::int64_t parse_bytes(const std::string& text);
 std::string format_bytes(double bytes);  // "5.2 MiB"
+// "8,40,512" given as `flag`: whole numbers from min to max, in the order given. Throws UsageError naming
+// the flag for anything else (an empty list included).
+std::vector<int> parse_int_list(const std::string& flag, const std::string& text, int min, int max);
 
 // The whole content of a regular file given as `flag` (e.g. "--prompt-file"), at most `max_bytes` bytes
 // of it when `truncate` is set. Its kind and size are checked before anything is read: a directory, a

@@ -5,7 +5,6 @@
 #include <cstdio>
 #include <iostream>
 #include <map>
-#include <sstream>
 #include <thread>
 
 #include "../02_dynamic_cache/growing_kv_cache.h"
@@ -18,23 +17,6 @@
 namespace {
 
 using kvs::ch02::Growth;
-
-std::vector<int> parse_lengths(const std::string& text) {
-  std::vector<int> lengths;
-  std::stringstream in(text);
-  for (std::string item; std::getline(in, item, ',');) {
-    try {
-      std::size_t used = 0;
-      const int n = std::stoi(item, &used);
-      if (used != item.size() || n < 1) throw std::invalid_argument(item);
-      lengths.push_back(n);
-    } catch (const std::exception&) {
-      throw kvs::UsageError("--lengths expects positive whole numbers separated by commas, got '" + text + "'");
-    }
-  }
-  if (lengths.empty()) throw kvs::UsageError("--lengths is empty");
-  return lengths;
-}
 
 struct Row {
   std::string method;
@@ -72,7 +54,7 @@ int main(int argc, char** argv) {
   parser.parse(argc, argv);
 
   return kvs::run_main(parser, [&] {
-    const std::vector<int> lengths = parse_lengths(lengths_text);
+    const std::vector<int> lengths = kvs::parse_int_list("--lengths", lengths_text, 1, 1 << 30);
     if (options.max_new_tokens < 2) throw kvs::UsageError("--max-new-tokens must be at least 2 to time decoding");
     std::string default_prompt;  // the held-out validation text: real prose the model never trained on
     std::vector<kvs::NamedPath> inputs;

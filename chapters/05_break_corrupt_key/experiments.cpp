@@ -133,15 +133,23 @@ void report_run(Model& model, std::span<const int> prompt, int new_tokens, const
     std::fprintf(stderr, "no token differs in the %d steps after the corruption\n", new_tokens - 1 - c.at_step);
   else
     std::fprintf(stderr, "the first different token is step %d, %d steps after the corruption\n", first, first - c.at_step);
-  const int after = std::min(restore_step + 1, new_tokens);
-  std::fprintf(stderr, "teacher-forced, mean KL over the steps after step %d: %.3e corrupted, %.3e with the vector restored, "
-                       "%.3e with every row restored\n", restore_step, mean_kl(forced_steps, after), mean_kl(vector_steps, after),
-               mean_kl(all_steps, after));
-  int matching = 0;
-  for (int s = after; s < new_tokens; ++s) matching += free_restored_steps[s].tokens_match;
-  std::fprintf(stderr, "free-running with the vector restored after step %d: first different token at step %d; "
-                       "%d of the %d later tokens equal the clean run's\n",
-               restore_step, first_mismatch(free_restored_steps), matching, new_tokens - after);
+  const int after = restore_step + 1;
+  if (after >= new_tokens) {
+    std::fprintf(stderr, "the run ends before the restore after step %d: give more --max-new-tokens or a smaller "
+                         "--restore-after to see whether restoring helps\n", restore_step);
+  } else {
+    std::fprintf(stderr, "teacher-forced, mean KL over the steps after step %d: %.3e corrupted, %.3e with the vector "
+                         "restored, %.3e with every row restored\n", restore_step, mean_kl(forced_steps, after),
+                 mean_kl(vector_steps, after), mean_kl(all_steps, after));
+    int matching = 0;
+    for (int s = after; s < new_tokens; ++s) matching += free_restored_steps[s].tokens_match;
+    const int first_restored = first_mismatch(free_restored_steps);
+    std::fprintf(stderr, "free-running with the vector restored after step %d: %s; %d of the %d later tokens equal the "
+                         "clean run's\n", restore_step,
+                 first_restored < 0 ? "no token differs"
+                                    : ("the first different token is step " + std::to_string(first_restored)).c_str(),
+                 matching, new_tokens - after);
+  }
 
   // Contamination: the teacher-forced run's cache against the clean one, same tokens, same positions.
   const CacheDifference diff = compare_caches(backend, config, *clean.cache, *forced.cache);

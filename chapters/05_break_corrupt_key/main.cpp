@@ -34,7 +34,7 @@ int main(int argc, char** argv) {
   // replaces, in layer 3, 28 positions back; the text changes 26 steps later (the sweep shows the spread).
   kvs::ch05::Corruption corruption{.layer = 3, .kv_head = 0, .position = 200, .at_step = 0, .amount = 16};
   bool value = false;
-  int restore_after = 20, prompts = 4, seeds = 3, every = 10;
+  int restore_after = 20, prompts = 4, seeds = 3, every = 10, prompt_bytes = 229;
   float amount = -1;
   kvs::ArgParser parser(
       "05_break_corrupt_key",
@@ -72,6 +72,8 @@ int main(int argc, char** argv) {
   parser.add_string("--contamination-csv", "PATH", "run: the cache difference per layer and position", &contamination_csv);
   parser.add_int("--prompts", "sweep: held-out passages (default 4)", &prompts, 1, 64);
   parser.add_int("--seeds", "sweep: random vectors per configuration (default 3)", &seeds, 1, 64);
+  parser.add_int("--prompt-bytes", "sweep: bytes of each held-out prompt (default 229, as the run's)", &prompt_bytes, 2,
+                 1 << 20);
   parser.add_string("--kl-csv", "PATH", "sweep: KL over the steps after the corruption", &kl_csv);
   parser.add_check([&] {
     if (experiment != "run" && experiment != "sweep") return "--experiment '" + experiment + "': use run or sweep";
@@ -90,9 +92,22 @@ int main(int argc, char** argv) {
                       : kind_name == "zeros" ? kvs::ch05::Kind::kZeros
                                              : kvs::ch05::Kind::kScale;
     corruption.amount = amount >= 0 || parser.given("--amount") ? amount : kind_name == "scale" ? 10.0f : 16.0f;
-    kvs::Runtime rt(options, kDefaultPrompt);
+    if (experiment == "sweep")
+      for (const char* flag : {"--layer", "--kv-head", "--position", "--at-step", "--corruption-seed", "--value",
+                               "--restore-after", "--every", "--contamination-csv", "--prompt", "--prompt-file"})
+        if (parser.given(flag))
+          throw kvs::UsageError(std::string(flag) + " is for --experiment run; the sweep chooses its own (see --help)");
+    for (const char* flag : {"--prompts", "--seeds", "--prompt-bytes", "--kl-csv"})
+      if (experiment == "run" && parser.given(flag)) throw kvs::UsageError(std::string(flag) + " is for --experiment sweep");
+    // The sweep cuts its prompts from the held-out text; the run's prompt must fit with its new tokens.
+    kvs::Runtime rt(options, kDefaultPrompt, experiment == "run" ? kvs::PromptFit::kMustFit : kvs::PromptFit::kCutByCaller,
+                    experiment == "run" ? 0 : prompt_bytes + options.max_new_tokens);
     const kvs::ModelConfig& c = rt.model.config();
-    const int prompt_len = static_cast<int>(rt.prompt.size());
+    if (experiment == "sweep" && prompt_bytes + options.max_new_tokens > c.seq_len)
+      throw kvs::UsageError("--prompt-bytes " + std::to_string(prompt_bytes) + " plus --max-new-tokens " +
+                            std::to_string(options.max_new_tokens) + " exceed the model's context of " +
+                            std::to_string(c.seq_len));
+    const int prompt_len = experiment == "run" ? static_cast<int>(rt.prompt.size()) : prompt_bytes;
     std::cerr << rt.describe() << "\n";
     if (experiment == "run") {
       kvs::ch05::check_corruption(corruption, c, prompt_len, options.max_new_tokens);
@@ -109,10 +124,6 @@ int main(int argc, char** argv) {
       for (const kvs::CsvWriter* csv : {&steps_csv, &contamination})
         if (csv->enabled()) std::cerr << "wrote " << csv->path() << "\n";
     } else {
-      for (const char* flag : {"--layer", "--kv-head", "--position", "--at-step", "--corruption-seed", "--value",
-                               "--restore-after", "--every", "--contamination-csv", "--prompt", "--prompt-file"})
-        if (parser.given(flag))
-          throw kvs::UsageError(std::string(flag) + " is for --experiment run; the sweep chooses its own (see --help)");
       kvs::CsvWriter csv({"--csv", options.csv}, "prompt,layer,position,part,seed,steps_to_mismatch,kl_mean,attention_mean",
                          rt.inputs());
       auto others = rt.inputs();

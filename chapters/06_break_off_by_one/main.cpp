@@ -5,6 +5,7 @@
 // per-step KL, the texts side by side), and runs the project's equivalence check - the one the tests run on
 // every cache - against naive decoding, correct cache and broken one. --experiment probes asks how long a
 // probe must be to catch the bug: many prompts, probes of 5 to 400 generated tokens.
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 
@@ -96,21 +97,22 @@ void run(kvs::Runtime& rt, int shift, int new_tokens, int every, kvs::CsvWriter&
                            : "fails at step 0");
 }
 
-void probes(kvs::Runtime& rt, const std::string& held_out, int shift, int prompts, const std::vector<int>& lengths,
-            kvs::CsvWriter& csv) {
+void probes(kvs::Runtime& rt, const std::string& held_out, int shift, int prompts, int max_prompt_bytes,
+            const std::vector<int>& lengths, kvs::CsvWriter& csv) {
   kvs::Model& model = rt.model;
   const kvs::ModelConfig& c = model.config();
   const int longest = lengths.back();
-  // Prompts of 16 to 256 bytes from line starts spread over the held-out text.
+  // Prompts of 16 to 256 bytes (at most max_prompt_bytes) from line starts spread over the held-out text.
   std::vector<std::vector<int>> texts;
   for (int k = 0; k < prompts; ++k) {
     std::size_t at = held_out.find('\n', held_out.size() * k / prompts);
-    const std::size_t bytes = std::size_t(16) << (k % 5);
+    const std::size_t bytes = std::min(std::size_t(16) << (k % 5), std::size_t(max_prompt_bytes));
     if (at == std::string::npos || at + 1 + bytes > held_out.size()) throw std::runtime_error("the held-out text is too short");
     texts.push_back(kvs::encode_bytes(held_out.substr(at + 1, bytes)));
   }
-  std::fprintf(stderr, "%d prompts of 16-256 held-out bytes, one greedy run of %d tokens each through the correct and the "
-                       "off-by-one (%+d) cache; a probe of n tokens passes if the first n steps pass\n", prompts, longest, shift);
+  std::fprintf(stderr, "%d prompts of %d-%d held-out bytes, one greedy run of %d tokens each through the correct and the "
+                       "off-by-one (%+d) cache; a probe of n tokens passes if the equivalence check passes its first n "
+                       "steps\n", prompts, std::min(16, max_prompt_bytes), max_prompt_bytes, longest, shift);
   std::vector<int> token_passes(lengths.size()), full_passes(lengths.size());
   for (int k = 0; k < prompts; ++k) {
     const std::span<const int> prompt = texts[k];
@@ -144,6 +146,7 @@ int main(int argc, char** argv) {
   options.max_new_tokens = 200;
   std::string experiment = "run";
   int shift = 1, every = 10, prompts = 40;
+  std::string probe_tokens = "5,10,20,50,100,200,400";
   kvs::ArgParser parser(
       "06_break_off_by_one",
       "Chapter 06: a cache that writes position p to slot p + --shift (+1 or -1) and reads slot r as position r.\n"
@@ -160,6 +163,8 @@ int main(int argc, char** argv) {
   parser.add_int("--shift", "the write index's error: 1 or -1 (default 1)", &shift, -1, 1);
   parser.add_int("--every", "run: print every Nth step of the table (default 10)", &every, 1, 1000000);
   parser.add_int("--prompts", "probes: prompts (default 40)", &prompts, 1, 1000);
+  parser.add_string("--probe-tokens", "LIST", "probes: probe lengths in generated tokens (default 5,10,20,50,100,200,400)",
+                    &probe_tokens);
   parser.add_check([&] {
     if (experiment != "run" && experiment != "probes") return "--experiment '" + experiment + "': use run or probes";
     if (shift == 0) return std::string("--shift 0 is the correct cache (chapter 03); use 1 or -1");
@@ -168,12 +173,22 @@ int main(int argc, char** argv) {
   parser.parse(argc, argv);
 
   return kvs::run_main(parser, [&] {
-    const std::vector<int> lengths = {5, 10, 20, 50, 100, 200, 400};
+    std::vector<int> lengths = kvs::parse_int_list("--probe-tokens", probe_tokens, 1, 1 << 20);
+    std::sort(lengths.begin(), lengths.end());
     if (experiment == "probes")
       for (const char* flag : {"--max-new-tokens", "--prompt", "--prompt-file", "--every"})
         if (parser.given(flag)) throw kvs::UsageError(std::string(flag) + " is for --experiment run; probes use their own");
-    // probes: prompts of up to 256 bytes and 400 new tokens.
-    kvs::Runtime rt(options, kDefaultPrompt, kvs::PromptFit::kMustFit, experiment == "probes" ? 256 + lengths.back() : 0);
+    if (experiment == "run")
+      for (const char* flag : {"--prompts", "--probe-tokens"})
+        if (parser.given(flag)) throw kvs::UsageError(std::string(flag) + " is for --experiment probes");
+    // probes: prompts of up to 256 bytes, and the longest probe.
+    const int seq_len = kvs::Checkpoint(kvs::resolve_model_path(options)).config().seq_len;
+    const int prompt_bytes = std::min(256, seq_len - lengths.back());
+    if (experiment == "probes" && prompt_bytes < 2)
+      throw kvs::UsageError("--probe-tokens: probes of " + std::to_string(lengths.back()) +
+                            " tokens leave no room for a prompt in the model's context of " + std::to_string(seq_len));
+    kvs::Runtime rt(options, kDefaultPrompt, experiment == "probes" ? kvs::PromptFit::kCutByCaller : kvs::PromptFit::kMustFit,
+                    experiment == "probes" ? prompt_bytes + lengths.back() : 0);
     std::cerr << rt.describe() << "\n";
     if (experiment == "run") {
       kvs::CsvWriter csv({"--csv", options.csv}, "step,position,correct_token,broken_token,tokens_match,kl,max_abs_logit",
@@ -183,7 +198,7 @@ int main(int argc, char** argv) {
       kvs::CsvWriter csv({"--csv", options.csv}, "shift,probe_tokens,prompts,passed_tokens_only,passed_tokens_and_logits",
                          rt.inputs());
       probes(rt, kvs::read_input_file("the held-out text", kvs::find_data_file("kjv/valid.txt"), 1u << 30), shift, prompts,
-             lengths, csv);
+             prompt_bytes, lengths, csv);
     }
     if (!options.csv.empty()) std::cerr << "wrote " << options.csv << "\n";
     return 0;
