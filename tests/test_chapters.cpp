@@ -195,3 +195,65 @@ TEST_CASE("no binary accepts a flag it would ignore") {
   CHECK(benchmark.exit_code == 2);
   CHECK(benchmark.err.find("unknown option '--top-k'") != std::string::npos);
 }
+
+TEST_CASE("chapter 05: corrupts one cached key on a small checkpoint, writes its CSVs, refuses what the run cannot do") {
+  // mha.bin: 2 layers, 4 KV heads of 16 (one query head each), context 96.
+  const std::string ch05 = binary("05_break_corrupt_key") + " --model " + golden_path("mha.bin") + " --threads 1";
+  kvs::test::TempDir dir;
+  const auto r = run_command(ch05 + " --prompt 'In the beginning God created' --max-new-tokens 30 --layer 0 --kv-head 3 "
+                                    "--position 5 --restore-after 10 --csv " + dir.file("steps.csv") +
+                             " --contamination-csv " + dir.file("cache.csv"));
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("clean") == r.out.find("the generated text") + std::string("the generated text, ").size());
+  CHECK(r.err.find("the key of position 5 (layer 0, KV head 3) replaced by a random normal vector (sigma 16, seed 1)") !=
+        std::string::npos);
+  CHECK(r.err.find("with every row restored") != std::string::npos);
+  CHECK(count_lines(dir.file("steps.csv")) == 1 + 30);          // one row per step and query head of KV head 3
+  CHECK(count_lines(dir.file("cache.csv")) == 1 + 2 * (28 + 29));  // layers x cached positions
+  for (const auto& [flags, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--layer 2", "--layer 2 is out of range: the model has layers 0..1"},
+           {"--kv-head 4", "--kv-head 4 is out of range"},
+           {"--position 16 --prompt 'In the beginning'", "--position 16 is out of range: at step 0 the cache holds positions 0..15"},
+           {"--at-step 29", "--at-step 29 is out of range"},
+           {"--kind zeros --amount 2", "--amount means nothing with --kind zeros"},
+           {"--kind sideways", "--kind 'sideways'"},
+           {"--experiment sweep --layer 1", "--layer is for --experiment run"},
+           {"--seeds 2", "--seeds is for --experiment sweep"},
+       }) {
+    CAPTURE(flags);
+    const auto bad = run_command(ch05 + " --layer 0 --position 5 --prompt 'In the beginning God created' --max-new-tokens 30 " + flags);
+    CAPTURE(bad.err);
+    CHECK(bad.exit_code == 2);
+    CHECK(bad.err.find(message) != std::string::npos);
+    CHECK(bad.out.empty());
+  }
+  const auto sweep = run_command(ch05 + " --experiment sweep --prompt-bytes 40 --max-new-tokens 12 --prompts 1 --seeds 1 "
+                                        "--csv " + dir.file("sweep.csv") + " --kl-csv " + dir.file("kl.csv"));
+  CAPTURE(sweep.err);
+  CHECK(sweep.exit_code == 0);
+  CHECK(count_lines(dir.file("sweep.csv")) == 1 + 2 * 7 * 2);  // layers x positions 0,1,4,16,24,36,39 x key/value
+  CHECK(count_lines(dir.file("kl.csv")) == 1 + 2 * 2 * 11);    // layers x key/value x steps 1..11
+}
+
+TEST_CASE("chapter 06: the off-by-one cache fails the equivalence check the correct one passes; probes; bad shifts") {
+  const std::string ch06 = binary("06_break_off_by_one") + " --model " + golden_path("mha.bin") + " --threads 1";
+  kvs::test::TempDir dir;
+  for (const char* shift : {"1", "-1"}) {
+    CAPTURE(shift);
+    const auto r = run_command(ch06 + " --max-new-tokens 40 --shift " + shift + " --csv " + dir.file("run.csv"));
+    CAPTURE(r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(r.err.find("correct cache:    passed") != std::string::npos);
+    CHECK(r.err.find("off-by-one cache: FAILED: logits off by more than 1e-03 from step 0") != std::string::npos);
+    CHECK(count_lines(dir.file("run.csv")) == 1 + 40);
+  }
+  const auto probes = run_command(ch06 + " --experiment probes --prompts 3 --probe-tokens 5,20,50 --csv " + dir.file("probes.csv"));
+  CAPTURE(probes.err);
+  CHECK(probes.exit_code == 0);
+  CHECK(probes.err.find("0 of   3") != std::string::npos);  // no probe passes the check of tokens and logits
+  CHECK(count_lines(dir.file("probes.csv")) == 1 + 3);
+  for (const char* flags : {"--shift 0", "--shift 2", "--experiment probes --max-new-tokens 5", "--probe-tokens 5,x",
+                            "--experiment probes --probe-tokens 96"})
+    CHECK(run_command(ch06 + " " + flags).exit_code == 2);
+}
