@@ -61,6 +61,10 @@ def shrink(command):
             command += " --windows full,8 --max-bytes 2048" if "--windows" not in command else " --max-bytes 2048"
         if "--experiment stream" in command:
             command += " --stream-bytes 2100"
+    if "05_break_corrupt_key" in command and "--experiment sweep" in command:
+        command += " --prompts 1 --seeds 1 --max-new-tokens 8"
+    if "06_break_off_by_one" in command and "--experiment probes" in command:
+        command += " --prompts 2 --probe-tokens 5,20"
     if "kvs_tests" in command:
         command += " --list-test-cases"
     return command

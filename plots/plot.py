@@ -5,7 +5,11 @@
 Figures: decode_time_vs_context.png (log-log, one line per method), speedup_vs_prompt.png (decode
 speedup over naive), cache_bytes_vs_context.png (the formula's line and the bytes each cache held);
 chapter 04: window_bits_per_byte.png (held-out bits per byte vs window, without and with sinks) and
-window_memory_vs_length.png (cache bytes and time per token vs generated length, full cache vs window).
+window_memory_vs_length.png (cache bytes and time per token vs generated length, full cache vs window);
+chapter 05: break_steps_to_divergence.png (median steps until the first different token, layer x position,
+key and value), break_kl_over_steps.png (median KL per step after the corruption, per layer) and
+break_contamination.png (how far each cache row moved, layer x position, one corruption);
+chapter 06: off_by_one_probes.png (the share of probes that pass, vs probe length).
 """
 import csv
 import sys
@@ -91,6 +95,7 @@ def main():
     finish(fig, ax, "positions in the cache", "KV cache bytes (MiB)", "Cache memory grows linearly with context",
            "cache_bytes_vs_context.png", log=False, legend="lower right")
     window_figures()
+    break_figures()
     print("wrote", ", ".join(p.name for p in sorted(HERE.glob("*.png"))))
 
 
@@ -124,6 +129,85 @@ def window_figures():
     top.legend(fontsize="small")
     top.set_title("A window keeps memory and time per token flat")
     finish(fig, bottom, "tokens generated", "ms per token", "", "window_memory_vs_length.png", log=False)
+
+
+def break_figures():
+    rows = read("break_sweep.csv")
+    kl = read("break_kl.csv")
+    steps = max(int(r["steps_after"]) for r in kl) + 1  # generated tokens per run
+    layers = sorted({int(r["layer"]) for r in rows})
+    positions = sorted({int(r["position"]) for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, part in zip(axes, ("key", "value")):
+        grid = []
+        for layer in layers:
+            line = []
+            for p in positions:
+                values = sorted(steps if int(r["steps_to_mismatch"]) < 0 else int(r["steps_to_mismatch"])
+                                for r in rows if r["part"] == part and int(r["layer"]) == layer and int(r["position"]) == p)
+                line.append(values[(len(values) - 1) // 2])  # the lower median
+            grid.append(line)
+        image = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis_r", vmin=0, vmax=steps)
+        for i, line in enumerate(grid):
+            for j, v in enumerate(line):
+                ax.text(j, i, "never" if v >= steps else str(v), ha="center", va="center", fontsize=7,
+                        color="white" if v < steps / 2 else "black")
+        ax.set_xticks(range(len(positions)), [str(p) for p in positions], fontsize=8)
+        ax.set_yticks(range(len(layers)), [str(l) for l in layers])
+        ax.set_xlabel("corrupted position")
+        ax.set_title(f"{part} corrupted")
+    axes[0].set_ylabel("layer")
+    fig.colorbar(image, ax=axes, label=f"median steps to the first different token (never: not in {steps - 1})")
+    fig.suptitle("How long one corrupted cache vector goes unnoticed")
+    fig.savefig(HERE / "break_steps_to_divergence.png", dpi=120)
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, part in zip(axes, ("key", "value")):
+        for layer in layers:
+            points = sorted((int(r["steps_after"]), float(r["kl_median"])) for r in kl
+                            if r["part"] == part and int(r["layer"]) == layer)
+            ax.plot(*zip(*points), lw=1, label=f"layer {layer}")
+        ax.set_yscale("symlog", linthresh=1e-6)
+        ax.set_title(f"{part} corrupted")
+        ax.set_xlabel("steps after the corruption")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("median KL(clean || corrupted), nats")
+    axes[1].legend(fontsize="small")
+    fig.suptitle("Teacher-forced: the damaged cache alone, step by step")
+    fig.tight_layout()
+    fig.savefig(HERE / "break_kl_over_steps.png", dpi=120)
+
+    rows = read("break_contamination.csv")
+    layers = sorted({int(r["layer"]) for r in rows})
+    first = min(int(r["position"]) for r in rows)
+    fig, axes = plt.subplots(2, 1, figsize=(8, 4.6), sharex=True)
+    for ax, column, name in zip(axes, ("max_abs_dkey", "max_abs_dvalue"), ("keys", "values")):
+        grid = [[float(r[column]) for r in rows if int(r["layer"]) == layer] for layer in layers]
+        top = max(max(line) for line in grid) or 1.0
+        image = ax.imshow(grid, origin="lower", aspect="auto", cmap="magma_r", interpolation="nearest",
+                          norm=matplotlib.colors.SymLogNorm(linthresh=1e-3, vmin=0, vmax=top),
+                          extent=(first - 0.5, first + len(grid[0]) - 0.5, -0.5, len(layers) - 0.5))
+        ax.set_yticks(range(len(layers)), [str(l) for l in layers])
+        ax.set_ylabel(f"layer ({name})")
+        fig.colorbar(image, ax=ax, label="max |difference|")
+    axes[1].set_xlabel("cached position")
+    axes[0].set_title("Contamination: each cache row vs the clean run's (teacher-forced)")
+    fig.savefig(HERE / "break_contamination.png", dpi=120)
+
+    rows = read("off_by_one_probes.csv")
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for shift, color in (("1", "tab:blue"), ("-1", "tab:orange")):
+        mine = sorted((int(r["probe_tokens"]), int(r["passed_tokens_only"]) / int(r["prompts"]),
+                       int(r["passed_tokens_and_logits"]) / int(r["prompts"])) for r in rows if r["shift"] == shift)
+        if not mine:
+            continue
+        label = "+1" if shift == "1" else "-1"
+        ax.plot([m[0] for m in mine], [m[1] for m in mine], marker="o", color=color, label=f"slot p{label}, tokens only")
+        ax.plot([m[0] for m in mine], [m[2] for m in mine], marker="x", ls="--", color=color,
+                label=f"slot p{label}, tokens + logits")
+    ax.set_xscale("log")
+    finish(fig, ax, "probe length (generated tokens)", "share of prompts whose probe passes",
+           "Short probes miss the off-by-one bug; the logits never do", "off_by_one_probes.png", log=False)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rerun the speed sweep on the shipped model and redraw every figure (plots/*.png) from its CSV.
-# Takes about two minutes on 2 cores; nothing else should run meanwhile, or the timings mean little.
+# Takes about five minutes on 2 cores; nothing else should run meanwhile, or the timings mean little.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 common/install-deps.sh build plots
@@ -17,4 +17,10 @@ ch04=build/release/bin/04_sliding_window
 "$ch04" --experiment stream --window 256 --sinks 4 --csv plots/data/window_stream.csv "$@"
 "$ch04" --experiment memory --window 256 --positions within-window --max-new-tokens 10240 \
   --csv plots/data/window_memory.csv "$@"
+# Chapters 05-06: break the cache on purpose.
+ch05=build/release/bin/05_break_corrupt_key
+"$ch05" --contamination-csv plots/data/break_contamination.csv --csv plots/data/break_run.csv "$@" >/dev/null
+"$ch05" --experiment sweep --csv plots/data/break_sweep.csv --kl-csv plots/data/break_kl.csv "$@"
+ch06=build/release/bin/06_break_off_by_one
+"$ch06" --experiment probes --csv plots/data/off_by_one_probes.csv "$@"
 /usr/bin/python3 plots/plot.py  # Debian's interpreter, which has python3-matplotlib

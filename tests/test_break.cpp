@@ -170,7 +170,7 @@ TEST_CASE("attention probe: the weights sum to 1 per query head and are the ones
   }
 }
 
-TEST_CASE("chapter 05: a strong corruption diverges, at the step where the tokens first differ; scale 1 changes nothing") {
+TEST_CASE("chapter 05: a strong corruption diverges, at the step where the tokens first differ, and scale 1 changes nothing") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   const ModelConfig& c = checkpoint.config();
   CpuBackend backend(test::test_threads());
@@ -214,7 +214,7 @@ TEST_CASE("chapter 05: a strong corruption diverges, at the step where the token
   CHECK(again.recorded.logits == clean.recorded.logits);
 }
 
-TEST_CASE("chapter 05: the damage spreads to later rows of the layers above only; restoring every row recovers exactly") {
+TEST_CASE("chapter 05: the damage spreads to later rows of the layers above only, and restoring every row recovers exactly") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   const ModelConfig& c = checkpoint.config();
   CpuBackend backend(test::test_threads());

@@ -57,7 +57,7 @@ const std::vector<Binary>& every_binary() {
       {"03_preallocated_cache", " --max-new-tokens 3"},
       {"03_benchmark", " --lengths 8 --max-new-tokens 3 --naive-tokens 3 --repeats 1"},
       {"04_sliding_window", " --max-new-tokens 3 --window 8 --chunk 4"},
-      {"05_break_corrupt_key", " --max-new-tokens 3 --layer 1 --position 2"},
+      {"05_break_corrupt_key", " --prompt 'In the beginning' --max-new-tokens 3 --layer 0 --position 2"},
       {"06_break_off_by_one", " --max-new-tokens 3"},
   };
   return all;

@@ -154,7 +154,7 @@ int main(int argc, char** argv) {
       "--experiment run (default): the correct cache and the off-by-one cache side by side (stdout), per-step KL\n"
       "    and max |dlogit| (teacher-forced), and the project's equivalence check on both (stderr);\n"
       "--experiment probes: --prompts held-out prompts, one run of 400 tokens each: how many probes of 5..400\n"
-      "    tokens pass, checking tokens only and tokens + logits.\n"
+      "    tokens pass, checking tokens only and tokens + logits; both shifts unless --shift is given.\n"
       "CSV columns (--csv):\n"
       "  run: step, position, correct_token, broken_token, tokens_match, kl, max_abs_logit\n"
       "  probes: shift, probe_tokens, prompts, passed_tokens_only, passed_tokens_and_logits");
@@ -197,8 +197,9 @@ int main(int argc, char** argv) {
     } else {
       kvs::CsvWriter csv({"--csv", options.csv}, "shift,probe_tokens,prompts,passed_tokens_only,passed_tokens_and_logits",
                          rt.inputs());
-      probes(rt, kvs::read_input_file("the held-out text", kvs::find_data_file("kjv/valid.txt"), 1u << 30), shift, prompts,
-             prompt_bytes, lengths, csv);
+      const std::string held_out = kvs::read_input_file("the held-out text", kvs::find_data_file("kjv/valid.txt"), 1u << 30);
+      for (int s : parser.given("--shift") ? std::vector<int>{shift} : std::vector<int>{1, -1})
+        probes(rt, held_out, s, prompts, prompt_bytes, lengths, csv);
     }
     if (!options.csv.empty()) std::cerr << "wrote " << options.csv << "\n";
     return 0;
