@@ -26,4 +26,8 @@ banner "Chapter 04: the sliding window (a ring of slots: memory stays flat, even
 "$bin/04_sliding_window" --window 64 --max-new-tokens 300
 echo  # end the chapter's text with a newline
 "$bin/04_sliding_window" --positions within-window --window 256 --max-new-tokens 5000 > /dev/null
+banner "Chapter 05: break it - corrupt one cached key (texts side by side, KL per step, where the damage spreads)"
+"$bin/05_break_corrupt_key" --max-new-tokens 60 --restore-after 10 --every 5
+banner "Chapter 06: break it - write each position one slot off (the equivalence check catches it)"
+"$bin/06_break_off_by_one" --max-new-tokens 60
 banner "Done. Read book/README.md; every binary takes --help. Speed sweep and plots: bash plots/regenerate.sh"

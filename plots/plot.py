@@ -137,7 +137,7 @@ def break_figures():
     steps = max(int(r["steps_after"]) for r in kl) + 1  # generated tokens per run
     layers = sorted({int(r["layer"]) for r in rows})
     positions = sorted({int(r["position"]) for r in rows})
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, part in zip(axes, ("key", "value")):
         grid = []
         for layer in layers:
@@ -150,15 +150,15 @@ def break_figures():
         image = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis_r", vmin=0, vmax=steps)
         for i, line in enumerate(grid):
             for j, v in enumerate(line):
-                ax.text(j, i, "never" if v >= steps else str(v), ha="center", va="center", fontsize=7,
-                        color="white" if v < steps / 2 else "black")
+                ax.text(j, i, "∞" if v >= steps else str(v), ha="center", va="center", fontsize=8,
+                        color="black" if v < steps / 2 else "white")
         ax.set_xticks(range(len(positions)), [str(p) for p in positions], fontsize=8)
         ax.set_yticks(range(len(layers)), [str(l) for l in layers])
         ax.set_xlabel("corrupted position")
         ax.set_title(f"{part} corrupted")
     axes[0].set_ylabel("layer")
-    fig.colorbar(image, ax=axes, label=f"median steps to the first different token (never: not in {steps - 1})")
-    fig.suptitle("How long one corrupted cache vector goes unnoticed")
+    fig.colorbar(image, ax=axes, label="median steps to the first different token")
+    fig.suptitle(f"How long one corrupted cache vector goes unnoticed (∞: no different token in {steps - 1} steps)")
     fig.savefig(HERE / "break_steps_to_divergence.png", dpi=120)
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
