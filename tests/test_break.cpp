@@ -41,6 +41,14 @@ void fill_tagged(KvCache& cache, const ModelConfig& c, int n) {
 const ModelConfig kSmall{.dim = 16, .hidden_dim = 16, .n_layers = 3, .n_heads = 4, .n_kv_heads = 2, .vocab_size = 256,
                          .seq_len = 64};
 
+// The shipped model on the CPU.
+struct Shipped {
+  Checkpoint checkpoint{find_data_file("kjv-gpt.bin")};
+  const ModelConfig& c = checkpoint.config();
+  CpuBackend backend{test::test_threads()};
+  Model model{checkpoint, backend};
+};
+
 const std::string kPrompt =
     "Genesis 1\n\n1 In the beginning God created the heaven and the earth.\n2 And the earth was without form, and "
     "void; and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters.\n"
@@ -116,9 +124,8 @@ TEST_CASE("off-by-one cache: what a read sees - zeros where nothing was written,
 }
 
 TEST_CASE("teacher forcing: a run fed its own greedy tokens computes exactly the same logits") {
-  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
-  CpuBackend backend(test::test_threads());
-  Model model(checkpoint, backend);
+  Shipped shipped;
+  auto& [checkpoint, c, backend, model] = shipped;
   const std::vector<int> prompt = encode_bytes("And God said, ");
   auto run = [&](std::span<const int> forced) {
     ch03::PreallocatedKvCache cache(backend, checkpoint.config(), 64);
@@ -171,10 +178,8 @@ TEST_CASE("attention probe: the weights sum to 1 per query head and are the ones
 }
 
 TEST_CASE("chapter 05: a strong corruption diverges, at the step where the tokens first differ, and scale 1 changes nothing") {
-  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
-  const ModelConfig& c = checkpoint.config();
-  CpuBackend backend(test::test_threads());
-  Model model(checkpoint, backend);
+  Shipped shipped;
+  auto& [checkpoint, c, backend, model] = shipped;
   const std::vector<int> prompt = encode_bytes(kPrompt);
   const int n = static_cast<int>(prompt.size()), new_tokens = 60;
   ch05::AttentionOnPosition attention(c, 3, 0, 200);
@@ -215,10 +220,8 @@ TEST_CASE("chapter 05: a strong corruption diverges, at the step where the token
 }
 
 TEST_CASE("chapter 05: the damage spreads to later rows of the layers above only, and restoring every row recovers exactly") {
-  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
-  const ModelConfig& c = checkpoint.config();
-  CpuBackend backend(test::test_threads());
-  Model model(checkpoint, backend);
+  Shipped shipped;
+  auto& [checkpoint, c, backend, model] = shipped;
   const std::vector<int> prompt = encode_bytes(kPrompt);
   const int n = static_cast<int>(prompt.size()), new_tokens = 40;
   const ch05::BreakRun clean = ch05::run_greedy(model, prompt, new_tokens, {});
@@ -271,10 +274,8 @@ TEST_CASE("chapter 05: a corruption the run cannot make is refused with the flag
 }
 
 TEST_CASE("chapter 06: the off-by-one cache fails the equivalence check, the correct cache passes it") {
-  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
-  const ModelConfig& c = checkpoint.config();
-  CpuBackend backend(test::test_threads());
-  Model model(checkpoint, backend);
+  Shipped shipped;
+  auto& [checkpoint, c, backend, model] = shipped;
   const std::vector<int> prompt = encode_bytes("And God said, ");
   const int n = static_cast<int>(prompt.size()), new_tokens = 30;
   auto greedy = [&](KvCache* cache) {
