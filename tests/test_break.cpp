@@ -177,6 +177,26 @@ TEST_CASE("attention probe: the weights sum to 1 per query head and are the ones
   }
 }
 
+TEST_CASE("chapter 05: the probe reads the last query's weights of the KV head's own query heads on the row holding the position") {
+  // 6 query heads, 2 KV heads: heads 3, 4, 5 read KV head 1. weights (n = 2, n_heads = 6, rows = 4), each
+  // entry encoding its own index: 100 * query + 10 * head + row. Row 2 holds position 7.
+  const ModelConfig c{.dim = 48, .hidden_dim = 8, .n_layers = 2, .n_heads = 6, .n_kv_heads = 2, .vocab_size = 256, .seq_len = 16};
+  const int row_positions[4] = {4, 5, 7, 6};
+  const KvView view{.rows = 4, .row_stride = c.kv_dim(), .row_positions = row_positions};
+  std::vector<float> weights(2 * 6 * 4);
+  for (int i = 0; i < 2; ++i)
+    for (int h = 0; h < 6; ++h)
+      for (int r = 0; r < 4; ++r) weights[(i * 6 + h) * 4 + r] = float(100 * i + 10 * h + r);
+  ch05::AttentionOnPosition probe(c, /*layer=*/1, /*kv_head=*/1, /*position=*/7);
+  probe.on_attention(1, 6, 2, view, weights);
+  CHECK(std::vector<float>(probe.last().begin(), probe.last().end()) == std::vector<float>{132, 142, 152});
+  probe.on_attention(0, 6, 2, view, std::vector<float>(weights.size(), -1.0f));  // another layer: ignored
+  CHECK(probe.last()[0] == 132);
+  ch05::AttentionOnPosition absent(c, 1, 0, 9);  // a position no row holds: 0
+  absent.on_attention(1, 6, 2, view, weights);
+  CHECK(std::vector<float>(absent.last().begin(), absent.last().end()) == std::vector<float>{0, 0, 0});
+}
+
 TEST_CASE("chapter 05: a strong corruption diverges, at the step where the tokens first differ, and scale 1 changes nothing") {
   Shipped shipped;
   auto& [checkpoint, c, backend, model] = shipped;
