@@ -17,6 +17,7 @@
 #include "cpu_backend.h"
 #include "equivalence.h"
 #include "generate.h"
+#include "test_backends.h"
 #include "test_util.h"
 #include "tokenizer.h"
 
@@ -26,16 +27,26 @@ namespace {
 
 // Writes positions 0 .. n-1 one call at a time, each key and value row tagged with its position and layer
 // (key: 1000·layer + position, value: its negative), through the cache's own prepare/write.
-void fill_tagged(KvCache& cache, const ModelConfig& c, int n) {
+void fill_tagged(Backend& backend, KvCache& cache, const ModelConfig& c, int n) {
   std::vector<float> k(c.kv_dim()), v(c.kv_dim());
+  Buffer kb(backend, k.size()), vb(backend, v.size());  // the model's k and v live in backend memory
   for (int p = 0; p < n; ++p) {
     cache.prepare(p, 1);
     for (int layer = 0; layer < c.n_layers; ++layer) {
       std::fill(k.begin(), k.end(), float(1000 * layer + p));
       std::fill(v.begin(), v.end(), -float(1000 * layer + p));
-      cache.write(layer, p, 1, k.data(), v.data());
+      backend.from_host(kb.data(), k.data(), k.size());
+      backend.from_host(vb.data(), v.data(), v.size());
+      cache.write(layer, p, 1, kb.data(), vb.data());
     }
   }
+}
+
+// One float of backend memory.
+float read_float(Backend& backend, const float* p) {
+  float x = 0;
+  backend.to_host(&x, p, 1);
+  return x;
 }
 
 const ModelConfig kSmall{.dim = 16, .hidden_dim = 16, .n_layers = 3, .n_heads = 4, .n_kv_heads = 2, .vocab_size = 256,
@@ -56,30 +67,44 @@ const std::string kPrompt =
 
 }  // namespace
 
-TEST_CASE("cache rows: every cache returns the row that holds a position, and refuses one it does not hold") {
-  CpuBackend backend(1);
-  const int n = 20;
-  ch02::GrowingKvCache growing(backend, kSmall, ch02::Growth::kGeometric);
-  ch03::PreallocatedKvCache preallocated(backend, kSmall, 32);
-  ch04::SlidingWindowKvCache ring(backend, kSmall, {7, 2}, 1);  // 7 slots, sinks 0 and 1
-  ch06::OffByOneKvCache plus(backend, kSmall, 32, 1), minus(backend, kSmall, 32, -1);
-  for (KvCache* cache : std::vector<KvCache*>{&growing, &preallocated, &ring, &plus, &minus}) {
-    fill_tagged(*cache, kSmall, n);
-    for (int layer = 0; layer < kSmall.n_layers; ++layer)
-      for (int p = 0; p < n; ++p) {
-        CAPTURE(layer);
-        CAPTURE(p);
-        if (cache == &ring && p >= 2 && p < n - 5) {  // evicted: only the sinks and the last 5 remain
-          CHECK_THROWS_AS(cache->row(layer, p), std::out_of_range);
-          continue;
+TEST_CASE("cache rows: every cache returns the row that holds a position, and refuses one it does not hold, on every backend") {
+  for (const std::string& name : test::test_backend_names()) {
+    CAPTURE(name);
+    const std::unique_ptr<Backend> owner = test::make_test_backend(name);
+    Backend& backend = *owner;
+    const int n = 20;
+    ch02::GrowingKvCache growing(backend, kSmall, ch02::Growth::kGeometric);
+    ch03::PreallocatedKvCache preallocated(backend, kSmall, 32);
+    ch04::SlidingWindowKvCache ring(backend, kSmall, {7, 2}, 1);  // 7 slots, sinks 0 and 1
+    ch06::OffByOneKvCache plus(backend, kSmall, 32, 1), minus(backend, kSmall, 32, -1);
+    for (KvCache* cache : std::vector<KvCache*>{&growing, &preallocated, &ring, &plus, &minus}) {
+      fill_tagged(backend, *cache, kSmall, n);
+      for (int layer = 0; layer < kSmall.n_layers; ++layer)
+        for (int p = 0; p < n; ++p) {
+          CAPTURE(layer);
+          CAPTURE(p);
+          if (cache == &ring && p >= 2 && p < n - 5) {  // evicted: only the sinks and the last 5 remain
+            CHECK_THROWS_AS(cache->row(layer, p), std::out_of_range);
+            continue;
+          }
+          const KvRow row = cache->row(layer, p);
+          CHECK(read_float(backend, row.key + kSmall.kv_dim() - 1) == float(1000 * layer + p));
+          CHECK(read_float(backend, row.value) == -float(1000 * layer + p));
         }
-        const KvRow row = cache->row(layer, p);
-        CHECK(row.key[kSmall.kv_dim() - 1] == float(1000 * layer + p));
-        CHECK(row.value[0] == -float(1000 * layer + p));
-      }
-    CHECK_THROWS_AS(cache->row(0, n), std::out_of_range);  // not written yet
-    CHECK_THROWS_AS(cache->row(0, -1), std::out_of_range);
-    CHECK_THROWS_AS(cache->row(kSmall.n_layers, 0), std::out_of_range);
+      CHECK_THROWS_AS(cache->row(0, n), std::out_of_range);  // not written yet
+      CHECK_THROWS_AS(cache->row(0, -1), std::out_of_range);
+      CHECK_THROWS_AS(cache->row(kSmall.n_layers, 0), std::out_of_range);
+    }
+    // Chapter 05's corruption goes through the same rows: one head of one row changes, and restore undoes it.
+    const ch05::Corruption doubled{.layer = 1, .kv_head = 1, .position = 9, .kind = ch05::Kind::kScale, .amount = 2};
+    const std::vector<float> original = ch05::corrupt(backend, preallocated, kSmall, doubled);
+    CHECK(original == std::vector<float>(kSmall.head_dim(), 1009.0f));
+    const KvRow row = preallocated.row(1, 9);
+    CHECK(read_float(backend, row.key + kSmall.head_dim()) == 2018.0f);   // KV head 1: doubled
+    CHECK(read_float(backend, row.key + kSmall.head_dim() - 1) == 1009.0f);  // KV head 0: untouched
+    CHECK(read_float(backend, row.value + kSmall.head_dim()) == -1009.0f);   // the value: untouched
+    ch05::restore(backend, preallocated, kSmall, doubled, original);
+    CHECK(read_float(backend, row.key + kSmall.head_dim()) == 1009.0f);
   }
   CallLocalKv none(kSmall.kv_dim());
   CHECK_THROWS_AS(none.row(0, 0), std::out_of_range);
@@ -93,7 +118,7 @@ TEST_CASE("cache writes: every cache refuses a write outside the positions prepa
   ch04::SlidingWindowKvCache ring(backend, kSmall, {4, 0}, 2);
   ch06::OffByOneKvCache shifted(backend, kSmall, 8, 1);
   for (KvCache* cache : std::vector<KvCache*>{&growing, &preallocated, &ring, &shifted}) {
-    fill_tagged(*cache, kSmall, 7);
+    fill_tagged(backend, *cache, kSmall, 7);
     cache->prepare(7, 1);
     cache->write(0, 7, 1, k.data(), v.data());  // the last slot of the preallocated ones: fine
     CHECK_THROWS_AS(cache->write(0, 8, 1, k.data(), v.data()), std::out_of_range);  // past what prepare announced
@@ -106,21 +131,25 @@ TEST_CASE("cache writes: every cache refuses a write outside the positions prepa
   CHECK_THROWS_AS(preallocated.prepare(8, 1), std::invalid_argument);  // and prepare refuses what does not fit
 }
 
-TEST_CASE("off-by-one cache: what a read sees - zeros where nothing was written, each position one slot off") {
-  CpuBackend backend(1);
-  for (int shift : {1, -1}) {
-    CAPTURE(shift);
-    ch06::OffByOneKvCache cache(backend, kSmall, 8, shift);
-    fill_tagged(cache, kSmall, 8);  // every position, up to the end of the buffer: the spare slot takes it
-    const KvView view = cache.view(1);
-    for (int r = 0; r < view.rows; ++r) {
-      CAPTURE(r);
-      const int holds = r - shift;  // slot r holds position r - shift
-      const float expected = holds < 0 || holds >= 8 ? 0.0f : float(1000 + holds);
-      CHECK(view.keys[std::size_t(r) * view.row_stride] == expected);
+TEST_CASE("off-by-one cache: what a read sees - zeros where nothing was written, each position one slot off, on every backend") {
+  for (const std::string& name : test::test_backend_names()) {
+    CAPTURE(name);
+    const std::unique_ptr<Backend> owner = test::make_test_backend(name);
+    for (int shift : {1, -1}) {
+      CAPTURE(shift);
+      ch06::OffByOneKvCache cache(*owner, kSmall, 8, shift);
+      fill_tagged(*owner, cache, kSmall, 8);  // every position, up to the end of the buffer: the spare slot takes it
+      const KvView view = cache.view(1);
+      for (int r = 0; r < view.rows; ++r) {
+        CAPTURE(r);
+        const int holds = r - shift;  // slot r holds position r - shift
+        const float expected = holds < 0 || holds >= 8 ? 0.0f : float(1000 + holds);
+        CHECK(read_float(*owner, view.keys + std::size_t(r) * view.row_stride) == expected);
+      }
     }
   }
-  CHECK_THROWS_AS(ch06::OffByOneKvCache(backend, kSmall, 8, 2), std::invalid_argument);
+  CpuBackend cpu(1);
+  CHECK_THROWS_AS(ch06::OffByOneKvCache(cpu, kSmall, 8, 2), std::invalid_argument);
 }
 
 TEST_CASE("teacher forcing: a run fed its own greedy tokens computes exactly the same logits") {

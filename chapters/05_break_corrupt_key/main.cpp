@@ -4,7 +4,7 @@
 // key or --value) overwritten right after step --at-step, and decoding goes on (corruption.h). The report
 // compares the two runs free-running (what a user would see) and teacher-forced (the damaged cache alone),
 // shows where the damage spreads in the cache, and whether restoring the vector brings the output back.
-// --experiment sweep repeats it over layers, positions, seeds and key/value (sweep.h).
+// --experiment sweep repeats it over layers, positions, seeds and key/value (experiments.h).
 #include <cstdio>
 #include <iostream>
 
@@ -108,6 +108,9 @@ int main(int argc, char** argv) {
                             std::to_string(options.max_new_tokens) + " exceed the model's context of " +
                             std::to_string(c.seq_len));
     const int prompt_len = experiment == "run" ? static_cast<int>(rt.prompt.size()) : prompt_bytes;
+    // Caches alive at once, each of prompt + new tokens positions: the run keeps its six runs' caches (clean,
+    // free, forced, and three restored), the sweep three (clean, free, forced).
+    rt.plan_kv_cache((experiment == "run" ? 6 : 3) * kvs::kv_cache_bytes(c, prompt_len + options.max_new_tokens));
     std::cerr << rt.describe() << "\n";
     if (experiment == "run") {
       kvs::ch05::check_corruption(corruption, c, prompt_len, options.max_new_tokens);

@@ -189,6 +189,11 @@ int main(int argc, char** argv) {
                             " tokens leave no room for a prompt in the model's context of " + std::to_string(seq_len));
     kvs::Runtime rt(options, kDefaultPrompt, experiment == "probes" ? kvs::PromptFit::kCutByCaller : kvs::PromptFit::kMustFit,
                     experiment == "probes" ? prompt_bytes + lengths.back() : 0);
+    // Caches alive at once: run, the correct one and two broken ones; probes, one of each (a broken cache
+    // holds two spare rows).
+    const int positions = experiment == "probes" ? prompt_bytes + lengths.back()
+                                                 : static_cast<int>(rt.prompt.size()) + options.max_new_tokens;
+    rt.plan_kv_cache((experiment == "run" ? 3 : 2) * kvs::kv_cache_bytes(rt.model.config(), positions + 2));
     std::cerr << rt.describe() << "\n";
     if (experiment == "run") {
       kvs::CsvWriter csv({"--csv", options.csv}, "step,position,correct_token,broken_token,tokens_match,kl,max_abs_logit",
