@@ -9,7 +9,9 @@ window_memory_vs_length.png (cache bytes and time per token vs generated length,
 chapter 05: break_steps_to_divergence.png (median steps until the first different token, layer x position,
 key and value), break_kl_over_steps.png (median KL per step after the corruption, per layer) and
 break_contamination.png (how far each cache row moved, layer x position, one corruption);
-chapter 06: off_by_one_probes.png (the share of probes that pass, vs probe length).
+chapter 06: off_by_one_probes.png (the share of probes that pass, vs probe length);
+decode_breakdown.png (where a decode step's time goes vs context, stacked, and the time reading the same bytes
+at the measured bandwidth would take).
 """
 import csv
 import sys
@@ -96,6 +98,7 @@ def main():
            "cache_bytes_vs_context.png", log=False, legend="lower right")
     window_figures()
     break_figures()
+    breakdown_figure()
     print("wrote", ", ".join(p.name for p in sorted(HERE.glob("*.png"))))
 
 
@@ -129,6 +132,25 @@ def window_figures():
     top.legend(fontsize="small")
     top.set_title("A window keeps memory and time per token flat")
     finish(fig, bottom, "tokens generated", "ms per token", "", "window_memory_vs_length.png", log=False)
+
+
+def breakdown_figure():
+    rows = read("decode_breakdown.csv")
+    xs = [int(r["prompt_tokens"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    parts = [("matmul_ms", "weight matrix products", "tab:blue"), ("attention_ms", "attention over the cache", "tab:orange"),
+             ("other_ms", "everything else", "tab:gray")]
+    ax.stackplot(xs, *[[float(r[key]) for r in rows] for key, _, _ in parts], labels=[n for _, n, _ in parts],
+                 colors=[c for _, _, c in parts], alpha=0.8)
+    ax.plot(xs, [float(r["step_ms_mean"]) for r in rows], color="black", marker="o", ms=3, label="whole step (mean)")
+    limit = [(int(r["weight_bytes"]) + int(r["kv_bytes"])) / (float(r["limit_gbs"]) * 1e9) * 1e3 for r in rows]
+    ax.plot(xs, limit, color="tab:green", ls="--", label="reading the step's bytes at the measured bandwidth")
+    cross = [int(r["prompt_tokens"]) for r in rows if int(r["kv_bytes"]) > int(r["weight_bytes"])]
+    if cross:
+        ax.axvline(cross[0], color="tab:red", lw=1, ls=":", label=f"K/V bytes > weight bytes (from {cross[0]})")
+    finish(fig, ax, "context (positions)", "ms per decode step",
+           f"Where a decode step's time goes ({rows[0]['threads']} thread(s))", "decode_breakdown.png", log=False,
+           legend="upper left")
 
 
 def break_figures():

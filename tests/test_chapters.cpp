@@ -2,7 +2,9 @@
 #include <doctest/doctest.h>
 
 #include <fstream>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "test_util.h"
 
@@ -185,6 +187,34 @@ TEST_CASE("03_benchmark: a small sweep runs, every cache matches naive, and the 
   const auto bad = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") + " --lengths 8,x");
   CHECK(bad.exit_code == 2);
   CHECK(bad.err.find("--lengths expects whole numbers from 1 to") != std::string::npos);
+}
+
+TEST_CASE("03_benchmark --breakdown: one row per length, the parts add up to the step, and sweep-only flags are refused") {
+  kvs::test::TempDir dir;
+  const std::string csv = dir.file("breakdown.csv");
+  const std::string bench = binary("03_benchmark") + " --model " + golden_path("mha.bin") + " --threads 1";
+  const auto r = run_command(bench + " --breakdown --lengths 8,40 --max-new-tokens 20 --csv " + csv);
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.err.find("of limit") != std::string::npos);
+  std::ifstream in(csv);
+  std::string line;
+  std::getline(in, line);
+  CHECK(line == "prompt_tokens,step_ms_mean,step_ms_p50,step_ms_p99,matmul_ms,attention_ms,other_ms,weight_bytes,"
+                "kv_bytes,achieved_gbs,limit_gbs,threads");
+  int rows = 0;
+  for (; std::getline(in, line); ++rows) {
+    std::vector<double> f;
+    std::stringstream fields(line);
+    for (std::string x; std::getline(fields, x, ',');) f.push_back(std::stod(x));
+    REQUIRE(f.size() == 12);
+    CHECK(f[4] + f[5] + f[6] <= f[1] * 1.05);  // the timed operations fit in the step (the rest: sampling, bookkeeping)
+    CHECK(f[4] > 0);
+    CHECK(f[5] > 0);
+    CHECK(f[10] > 0);  // a measured bandwidth
+  }
+  CHECK(rows == 2);
+  CHECK(run_command(bench + " --breakdown --repeats 2").exit_code == 2);
 }
 
 TEST_CASE("no binary accepts a flag it would ignore") {

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "../02_dynamic_cache/growing_kv_cache.h"
+#include "breakdown.h"
 #include "cli.h"
 #include "generate.h"
 #include "preallocated_kv_cache.h"
@@ -33,6 +34,7 @@ int main(int argc, char** argv) {
   options.max_new_tokens = 64;
   std::string lengths_text = "32,128,512,1024,2048", memory_csv;
   int naive_tokens = 8, repeats = 3;
+  bool breakdown = false;
   kvs::ArgParser parser(
       "03_benchmark",
       "Sweep over prompt lengths: time to first token (TTFT) and median per-token decode time for naive\n"
@@ -43,7 +45,12 @@ int main(int argc, char** argv) {
       "CSV (--csv): method, prompt_tokens, ttft_ms, decode_ms_median, decode_steps, cache_bytes, threads (0 on a GPU).\n"
       "--memory-csv: method, positions, allocated_bytes, resident_bytes, analytic_bytes: at the end of a run,\n"
       "the bytes the cache allocated, those physically in memory (pages written, measured with mincore), and\n"
-      "the formula's bytes for the positions held.");
+      "the formula's bytes for the positions held.\n"
+      "--breakdown: instead of the sweep, where a decode step's time goes (preallocated cache): per length, the\n"
+      "mean step split into weight matrix products, attention and everything else, the bytes it reads and the\n"
+      "rate that makes against this machine's read bandwidth for as many bytes (measured by the benchmark).\n"
+      "  CSV (--csv): prompt_tokens, step_ms_mean, step_ms_p50, step_ms_p99, matmul_ms, attention_ms, other_ms,\n"
+      "  weight_bytes, kv_bytes, achieved_gbs, limit_gbs, threads.");
   kvs::add_common_flags(parser, options, "data/kjv/valid.txt, the held-out text", kvs::CommonFlags::kGreedy);
   parser.add_string("--lengths", "LIST", "prompt lengths, comma-separated (default 32,128,512,1024,2048)",
                     &lengths_text);
@@ -51,6 +58,12 @@ int main(int argc, char** argv) {
                  &naive_tokens, 2, 1 << 20);
   parser.add_int("--repeats", "timed runs per method and length; medians are reported (default 3)", &repeats, 1, 1000);
   parser.add_string("--memory-csv", "PATH", "write the cache bytes measured at the end of each run", &memory_csv);
+  parser.add_switch("--breakdown", "where a decode step's time goes, against the read bandwidth (see above)", &breakdown);
+  parser.add_check([&] {
+    for (const char* flag : {"--naive-tokens", "--repeats", "--memory-csv"})
+      if (breakdown && parser.given(flag)) return std::string(flag) + " is for the sweep, not --breakdown";
+    return std::string();
+  });
   parser.parse(argc, argv);
 
   return kvs::run_main(parser, [&] {
@@ -86,6 +99,15 @@ int main(int argc, char** argv) {
     std::vector<int> all_tokens = rt.prompt;
     while (static_cast<int>(all_tokens.size()) < c.seq_len) all_tokens.insert(all_tokens.end(), rt.prompt.begin(), rt.prompt.end());
 
+    if (breakdown) {
+      std::cerr << rt.describe() << "\n";
+      kvs::CsvWriter breakdown_csv({"--csv", options.csv},
+                                   "prompt_tokens,step_ms_mean,step_ms_p50,step_ms_p99,matmul_ms,attention_ms,other_ms,"
+                                   "weight_bytes,kv_bytes,achieved_gbs,limit_gbs,threads", inputs);
+      kvs::ch03::decode_breakdown(rt, all_tokens, lengths, options.max_new_tokens, breakdown_csv);
+      if (breakdown_csv.enabled()) std::cerr << "wrote " << breakdown_csv.path() << "\n";
+      return 0;
+    }
     std::cerr << rt.describe() << "\n" << options.max_new_tokens << " new tokens per cached run, " << naive_tokens
               << " per naive run; machine: " << std::thread::hardware_concurrency() << " cores\n\n";
 

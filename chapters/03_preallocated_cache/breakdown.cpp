@@ -1,0 +1,85 @@
+#include "breakdown.h"
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "generate.h"
+#include "preallocated_kv_cache.h"
+#include "profiling_backend.h"
+#include "timing.h"
+
+namespace kvs::ch03 {
+
+StepBytes decode_step_bytes(const ModelConfig& c, int positions) {
+  const std::int64_t dim = c.dim, kv = c.kv_dim(), hidden = c.hidden_dim;
+  const std::int64_t per_layer = 2 * dim * dim + 2 * kv * dim + 3 * hidden * dim + 2 * dim;  // wq wo, wk wv, w1 w2 w3, norms
+  const std::int64_t floats = c.n_layers * per_layer + std::int64_t(c.vocab_size) * dim + dim + dim;  // + classifier, final norm, embedding row
+  return {floats * 4, 2 * std::int64_t(c.n_layers) * kv * positions * 4};
+}
+
+double measure_read_gbs(std::int64_t bytes, int threads) {
+  const std::int64_t n = std::max<std::int64_t>(bytes / 4, 1024);
+  std::vector<float> data(n, 1.0f);
+  threads = std::max(1, threads);
+  // Enough passes for ~2 ms per timing, so that the clock's resolution does not matter.
+  const int passes = static_cast<int>(std::clamp<std::int64_t>(std::int64_t(500'000'000) / (n * 4) / 250, 1, 100000));
+  double best = 0, sink = 0;
+  for (int trial = 0; trial < 7; ++trial) {  // the first is the warm-up (pages touched, caches filled)
+    const Stopwatch timer;
+    for (int p = 0; p < passes; ++p) {
+      double sum = 0;
+#pragma omp parallel for reduction(+ : sum) num_threads(threads) schedule(static)
+      for (int t = 0; t < threads; ++t) {
+        const std::int64_t begin = n * t / threads, end = n * (t + 1) / threads;
+        sum += Eigen::Map<const Eigen::ArrayXf>(data.data() + begin, end - begin).sum();  // vectorised read
+      }
+      sink += sum;
+    }
+    const double seconds = timer.milliseconds() / 1000;
+    if (trial > 0) best = std::max(best, double(n) * 4 * passes / seconds / 1e9);
+  }
+  if (sink < 0) std::fprintf(stderr, " ");  // keep the reads: the sum is used
+  return best;
+}
+
+void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vector<int>& lengths, int new_tokens,
+                      CsvWriter& csv) {
+  ProfilingBackend profiled(rt.backend);
+  Model model(rt.checkpoint, profiled, std::max(1, *std::max_element(lengths.begin(), lengths.end())),
+              *std::max_element(lengths.begin(), lengths.end()) + new_tokens);
+  const ModelConfig& c = model.config();
+  const int threads = std::max(1, rt.cpu_threads());
+  std::fprintf(stderr, "decode step breakdown, %s: mean ms per step over %d steps (p50 and p99 of the step), split by\n"
+                       "operation; bytes a step reads (weights + the K/V rows it attends to); the rate that makes, and this\n"
+                       "machine's read bandwidth for a working set of that size on %d thread%s (measured now)\n\n",
+               rt.backend.describe().c_str(), new_tokens - 1, threads, threads > 1 ? "s" : "");
+  std::fprintf(stderr, "  %7s %8s %8s %8s %8s %9s %8s %10s %9s %9s %8s\n", "context", "step", "p50", "p99", "matmul",
+               "attention", "other", "MB read", "GB/s", "limit", "of limit");
+  for (int length : lengths) {
+    const int prompt_len = std::min(length, c.seq_len - new_tokens);
+    PreallocatedKvCache cache(profiled, c, prompt_len + new_tokens);
+    Sampler greedy(c.vocab_size, {});
+    // The prefill is not a decode step: start counting after it.
+    const Generation g = generate_cached(model, cache, greedy, tokens.first(prompt_len), new_tokens, 0, {},
+                                         [&](int step, std::span<const float>) { if (step == 0) profiled.reset(); });
+    const int steps = new_tokens - 1;
+    const double matmul = profiled.milliseconds(OpKind::kMatmul) / steps,
+                 attention = profiled.milliseconds(OpKind::kAttention) / steps,
+                 other = profiled.milliseconds(OpKind::kOther) / steps;
+    double mean = 0;
+    for (std::size_t s = 1; s < g.step_ms.size(); ++s) mean += g.step_ms[s] / steps;
+    // The average step attends to prompt_len + steps/2 positions.
+    const StepBytes bytes = decode_step_bytes(c, prompt_len + steps / 2);
+    const double achieved = bytes.total() / (mean / 1000) / 1e9, limit = measure_read_gbs(bytes.total(), threads);
+    std::fprintf(stderr, "  %7d %8.4f %8.4f %8.4f %8.4f %9.4f %8.4f %10.2f %9.1f %9.1f %7.0f%%\n", prompt_len, mean,
+                 g.decode_percentile_ms(50), g.decode_percentile_ms(99), matmul, attention, other, bytes.total() / 1e6,
+                 achieved, limit, 100 * achieved / limit);
+    csv.row(prompt_len, mean, g.decode_percentile_ms(50), g.decode_percentile_ms(99), matmul, attention, other,
+            bytes.weights, bytes.kv, achieved, limit, threads);
+    csv.commit();
+  }
+}
+
+}  // namespace kvs::ch03

@@ -1,0 +1,33 @@
+#pragma once
+// Where a decode step's time goes (03_benchmark --breakdown): per context length, the step split into the
+// weight matrix products, attention over the cache and everything else (ProfilingBackend), the bytes a
+// step must read - every weight once, and the K/V rows it attends to - and the achieved read rate against
+// this machine's own read bandwidth for a working set of the same size, measured here.
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "csv.h"
+#include "runtime.h"
+
+namespace kvs::ch03 {
+
+// Bytes one decode step must read at `positions` cached positions: weights (every matrix once, one
+// embedding row) and K/V rows (2 · layers · kv_dim · positions floats).
+struct StepBytes {
+  std::int64_t weights = 0, kv = 0;
+  std::int64_t total() const { return weights + kv; }
+};
+StepBytes decode_step_bytes(const ModelConfig& c, int positions);
+
+// Read bandwidth in GB/s (1e9 bytes/s) of summing `bytes` of floats, on `threads` threads (each its own
+// contiguous part), best of several timed passes after a warm-up: the limit a decode step that reads as much
+// could reach.
+double measure_read_gbs(std::int64_t bytes, int threads);
+
+// The breakdown for each prompt length in `lengths` (prefixes of `tokens`), `new_tokens` greedy tokens
+// through a preallocated cache; a table on stderr, one CSV row per length.
+void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vector<int>& lengths, int new_tokens,
+                      CsvWriter& csv);
+
+}  // namespace kvs::ch03

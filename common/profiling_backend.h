@@ -1,0 +1,94 @@
+#pragma once
+// Where a forward pass spends its time: a backend that forwards every operation to another one and adds up
+// the wall time of each, by kind - the weight matrix products, attention over the cache, everything else.
+// The model does not change; a benchmark builds a Model on this backend instead of the real one.
+//
+// On a GPU an operation returns before it finishes, so each one is followed by inner.synchronize(): the
+// split is then right, but the total includes one synchronisation per operation (on the CPU, operations
+// are synchronous and the wrapper costs two clock reads per operation, ~50 ns).
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "backend.h"
+
+namespace kvs {
+
+enum class OpKind { kMatmul, kAttention, kOther };
+inline constexpr int kOpKinds = 3;
+inline const char* to_string(OpKind kind) {
+  return kind == OpKind::kMatmul ? "matmul" : kind == OpKind::kAttention ? "attention" : "other";
+}
+
+class ProfilingBackend final : public Backend {
+ public:
+  explicit ProfilingBackend(Backend& inner) : inner_(inner) {}
+
+  // Milliseconds and operations of each kind since the last reset.
+  double milliseconds(OpKind kind) const { return ns_[int(kind)] / 1e6; }
+  std::int64_t operations(OpKind kind) const { return count_[int(kind)]; }
+  void reset() { ns_ = {}, count_ = {}; }
+
+  const char* name() const override { return inner_.name(); }
+  std::string describe() const override { return inner_.describe(); }
+  bool host_memory() const override { return inner_.host_memory(); }
+  float* allocate(std::size_t floats) override { return inner_.allocate(floats); }
+  void release(float* p) override { inner_.release(p); }
+  const float* upload_weights(const float* host, std::size_t floats) override { return inner_.upload_weights(host, floats); }
+  void copy(float* dst, const float* src, std::size_t floats) override {
+    timed(OpKind::kOther, [&] { inner_.copy(dst, src, floats); });
+  }
+  void to_host(float* host, const float* src, std::size_t floats) override {
+    timed(OpKind::kOther, [&] { inner_.to_host(host, src, floats); });
+  }
+  void from_host(float* dst, const float* host, std::size_t floats) override {
+    timed(OpKind::kOther, [&] { inner_.from_host(dst, host, floats); });
+  }
+  void synchronize() override { inner_.synchronize(); }
+  std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows) const override {
+    return inner_.attention_scratch_floats(shape, max_rows);
+  }
+  void embed(float* x, const float* table, std::span<const int> tokens, int dim) override {
+    timed(OpKind::kOther, [&] { inner_.embed(x, table, tokens, dim); });
+  }
+  void matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) override {
+    timed(OpKind::kMatmul, [&] { inner_.matmul(out, x, w, n, d_in, d_out); });
+  }
+  void rmsnorm(float* out, const float* x, const float* weight, int n, int dim) override {
+    timed(OpKind::kOther, [&] { inner_.rmsnorm(out, x, weight, n, dim); });
+  }
+  void rope_table(float* table, int pos, int n, int head_dim) override {
+    timed(OpKind::kOther, [&] { inner_.rope_table(table, pos, n, head_dim); });
+  }
+  void rope(float* x, const float* table, int n, int heads, int head_dim) override {
+    timed(OpKind::kOther, [&] { inner_.rope(x, table, n, heads, head_dim); });
+  }
+  void attention(float* out, const float* q, int pos, int n, const KvView& kv, const AttentionShape& shape,
+                 std::span<float> scratch, float* weights) override {
+    timed(OpKind::kAttention, [&] { inner_.attention(out, q, pos, n, kv, shape, scratch, weights); });
+  }
+  void swiglu(float* gate, const float* up, std::size_t count) override {
+    timed(OpKind::kOther, [&] { inner_.swiglu(gate, up, count); });
+  }
+  void add(float* x, const float* y, std::size_t count) override {
+    timed(OpKind::kOther, [&] { inner_.add(x, y, count); });
+  }
+
+ private:
+  template <typename Op>
+  void timed(OpKind kind, Op&& op) {
+    const auto start = std::chrono::steady_clock::now();
+    op();
+    if (!inner_.host_memory()) inner_.synchronize();  // a GPU's operation has only been queued
+    ns_[int(kind)] += std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+    ++count_[int(kind)];
+  }
+
+  Backend& inner_;
+  std::array<double, kOpKinds> ns_{};
+  std::array<std::int64_t, kOpKinds> count_{};
+};
+
+}  // namespace kvs
