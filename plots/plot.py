@@ -145,9 +145,11 @@ def breakdown_figure():
     ax.plot(xs, [float(r["step_ms_mean"]) for r in rows], color="black", marker="o", ms=3, label="whole step (mean)")
     limit = [(int(r["weight_bytes"]) + int(r["kv_bytes"])) / (float(r["limit_gbs"]) * 1e9) * 1e3 for r in rows]
     ax.plot(xs, limit, color="tab:green", ls="--", label="reading the step's bytes at the measured bandwidth")
-    cross = [int(r["prompt_tokens"]) for r in rows if int(r["kv_bytes"]) > int(r["weight_bytes"])]
-    if cross:
-        ax.axvline(cross[0], color="tab:red", lw=1, ls=":", label=f"K/V bytes > weight bytes (from {cross[0]})")
+    if len(rows) > 1:  # K/V bytes grow linearly with the context: where they equal the weights' bytes
+        (x0, k0), (x1, k1) = [(int(r["prompt_tokens"]), int(r["kv_bytes"])) for r in (rows[0], rows[-1])]
+        per_position = (k1 - k0) / (x1 - x0)
+        cross = int(rows[0]["weight_bytes"]) / per_position
+        ax.axvline(cross, color="tab:red", lw=1, ls=":", label=f"K/V bytes = weight bytes ({cross:.0f} positions)")
     finish(fig, ax, "context (positions)", "ms per decode step",
            f"Where a decode step's time goes ({rows[0]['threads']} thread(s))", "decode_breakdown.png", log=False,
            legend="upper left")
