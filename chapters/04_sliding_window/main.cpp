@@ -26,21 +26,12 @@ std::vector<int> parse_windows(const std::string& text, int seq_len) {
   std::vector<int> windows;
   std::istringstream in(text);
   for (std::string item; std::getline(in, item, ',');) {
-    if (item == "full") {
-      windows.push_back(0);
-      continue;
-    }
-    std::size_t used = 0;
-    int size = 0;
     try {
-      size = std::stoi(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != item.size() || item.empty() || size < 1 || size > seq_len)
+      windows.push_back(item == "full" ? 0 : kvs::parse_int_list("--windows", item, 1, seq_len).front());
+    } catch (const kvs::UsageError&) {
       throw kvs::UsageError("--windows: '" + item + "' is not 'full' or a window of 1.." + std::to_string(seq_len) +
                             " keys; give a comma-separated list such as full,256,32");
-    windows.push_back(size);
+    }
   }
   return windows;
 }

@@ -44,6 +44,7 @@ BreakRun run_greedy(Model& model, std::span<const int> prompt, int new_tokens, c
   Backend& backend = model.backend();
   BreakRun run;
   run.cache = std::make_unique<ch03::PreallocatedKvCache>(backend, config, static_cast<int>(prompt.size()) + new_tokens);
+  run.recorded.logits.reserve(new_tokens);
   if (options.attention) run.attention.reserve(new_tokens);
   std::vector<float> original;  // the corrupted vector's bytes, for Restore::kVector
   auto between_steps = [&](int step, std::span<const float> logits) {

@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
   kvs::ch05::Corruption corruption{.layer = 3, .kv_head = 0, .position = 200, .at_step = 0, .amount = 16};
   bool value = false;
   int restore_after = 20, prompts = 4, seeds = 3, every = 10, prompt_bytes = 229;
-  float amount = -1;
+  float amount = 0;  // --amount; the default depends on --kind
   kvs::ArgParser parser(
       "05_break_corrupt_key",
       "Chapter 05: overwrite one cached key vector - one layer, one KV head, one position - and keep decoding.\n"
@@ -91,7 +91,7 @@ int main(int argc, char** argv) {
     corruption.kind = kind_name == "normal" ? kvs::ch05::Kind::kNormal
                       : kind_name == "zeros" ? kvs::ch05::Kind::kZeros
                                              : kvs::ch05::Kind::kScale;
-    corruption.amount = amount >= 0 || parser.given("--amount") ? amount : kind_name == "scale" ? 10.0f : 16.0f;
+    corruption.amount = parser.given("--amount") ? amount : kind_name == "scale" ? 10.0f : 16.0f;
     if (experiment == "sweep")
       for (const char* flag : {"--layer", "--kv-head", "--position", "--at-step", "--corruption-seed", "--value",
                                "--restore-after", "--every", "--contamination-csv", "--prompt", "--prompt-file"})

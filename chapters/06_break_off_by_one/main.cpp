@@ -82,7 +82,6 @@ void run(kvs::Runtime& rt, int shift, int new_tokens, int every, kvs::CsvWriter&
   csv.commit();
 
   // The test that catches it: the equivalence check against naive decoding, as tests/test_equivalence.cpp runs it.
-  kvs::Sampler greedy_sampler(c.vocab_size, {});
   const kvs::RecordedRun naive = kvs::record([&](const kvs::OnLogits& on_logits) {
     kvs::Sampler s(c.vocab_size, {});
     return kvs::generate_naive(model, s, prompt, new_tokens, {}, on_logits);
