@@ -7,10 +7,19 @@
 // finished; to_host returns once its data has arrived (so after every earlier operation), and
 // synchronize() waits for everything called so far: a timer must call one of the two before it reads the
 // clock.
+//
+// Recording (a CUDA graph on a GPU): the operations called between begin_recording() and end_recording()
+// are recorded, not run; replay() runs them again, in order, with the very same arguments - the same
+// pointers, sizes and counts. Whatever must differ from one replay to the next (a decode step's token and
+// its position) is therefore read by the operations from backend memory, which a transfer before replay()
+// updates. Transfers are not recorded. A new recording replaces the last one.
+#include <algorithm>
 #include <cstddef>
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "kv_cache.h"
 
@@ -35,6 +44,11 @@ class Backend {
   // ---- memory ----
   virtual float* allocate(std::size_t floats) = 0;  // uninitialised
   virtual void release(float* p) = 0;
+  // Integers in backend memory (token ids, positions): what operations read instead of launch arguments, so
+  // that a recorded step can be replayed at another position.
+  virtual int* allocate_ints(std::size_t count) = 0;  // uninitialised
+  virtual void release(int* p) = 0;
+  virtual void from_host(int* dst, const int* host, std::size_t count) = 0;
   // Weights the operations can read. The CPU reads the mapped file in place; a GPU copies it over.
   virtual const float* upload_weights(const float* host, std::size_t floats) = 0;
   // Within the backend. The two ranges must not overlap (a GPU copy of overlapping ranges is undefined):
@@ -48,22 +62,35 @@ class Backend {
   virtual std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows) const = 0;
 
   // ---- operations ----
+  // ---- recording (see Recording above) ----
+  virtual bool can_record() const { return false; }
+  // Returns the recording's number, which replay() takes: replaying anything but the last recording is
+  // refused (std::logic_error), since an older one may point at memory freed since.
+  virtual int begin_recording() { throw std::logic_error(std::string(name()) + " cannot record operations"); }
+  virtual void end_recording() { throw std::logic_error(std::string(name()) + " cannot record operations"); }
+  virtual void replay(int /*recording*/) { throw std::logic_error(std::string(name()) + " cannot record operations"); }
+
+  // Integer arguments in backend memory: tokens (n) token ids, positions (n) absolute positions.
   // x (n, dim) = table[tokens[i]] rows
-  virtual void embed(float* x, const float* table, std::span<const int> tokens, int dim) = 0;
+  virtual void embed(float* x, const float* table, const int* tokens, int n, int dim) = 0;
   // out (n, d_out) = x (n, d_in) · wᵀ, w (d_out, d_in)
   virtual void matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) = 0;
   // out (n, dim) = x / sqrt(mean(x²) + eps) ⊙ weight, row by row
   virtual void rmsnorm(float* out, const float* x, const float* weight, int n, int dim) = 0;
-  // table (n, head_dim/2, 2) = [cos, sin] of positions pos .. pos + n - 1 (see rope.h)
-  virtual void rope_table(float* table, int pos, int n, int head_dim) = 0;
+  // table (n, head_dim/2, 2) = [cos, sin] of positions[0 .. n-1] (see rope.h)
+  virtual void rope_table(float* table, const int* positions, int n, int head_dim) = 0;
   // rotate x (n, heads, head_dim) in place with the table of the same n positions
   virtual void rope(float* x, const float* table, int n, int heads, int head_dim) = 0;
   // out (n, n_heads·head_dim) = softmax(q kᵀ / sqrt(head_dim), masked by key_visible) v for queries
-  // q (n, n_heads·head_dim) at positions pos .. pos + n - 1, over the rows of `kv`. If `weights` is not
+  // q (n, n_heads·head_dim) at positions[0 .. n-1] (consecutive: positions[i] = positions[0] + i), over the
+  // rows of `kv`. If `weights` is not
   // null it receives the softmax weights themselves, (n, n_heads, kv.rows), 0 on rows a query may not see:
   // the one attention implementation, observed (chapters 04-05), not a second copy of it.
-  virtual void attention(float* out, const float* q, int pos, int n, const KvView& kv,
+  virtual void attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
                          const AttentionShape& shape, std::span<float> scratch, float* weights) = 0;
+  // rows[slots[i]] (width floats, rows row_stride floats apart) = src[i] (n, width): a cache write whose
+  // destination rows are read from backend memory, so a recorded decode step writes the right row.
+  virtual void write_rows(float* rows, int row_stride, const int* slots, const float* src, int n, int width) = 0;
   // gate (count) = silu(gate) ⊙ up
   virtual void swiglu(float* gate, const float* up, std::size_t count) = 0;
   // x (count) += y
@@ -76,14 +103,17 @@ inline void check_no_overlap(const float* dst, const float* src, std::size_t flo
     throw std::invalid_argument("copy: the source and destination ranges overlap");
 }
 
-// Backend memory that frees itself.
-class Buffer {
+// Backend memory that frees itself: floats (Buffer) or integers (IntBuffer).
+template <typename T>
+class BackendArray {
  public:
-  Buffer() = default;
-  Buffer(Backend& backend, std::size_t floats) : backend_(&backend), data_(backend.allocate(floats)), size_(floats) {}
-  ~Buffer() { reset(); }
-  Buffer(Buffer&& o) noexcept : backend_(o.backend_), data_(o.data_), size_(o.size_) { o.data_ = nullptr, o.size_ = 0; }
-  Buffer& operator=(Buffer&& o) noexcept {
+  BackendArray() = default;
+  BackendArray(Backend& backend, std::size_t count) : backend_(&backend), data_(allocate(backend, count)), size_(count) {}
+  ~BackendArray() { reset(); }
+  BackendArray(BackendArray&& o) noexcept : backend_(o.backend_), data_(o.data_), size_(o.size_) {
+    o.data_ = nullptr, o.size_ = 0;
+  }
+  BackendArray& operator=(BackendArray&& o) noexcept {
     if (this != &o) {
       reset();
       backend_ = o.backend_, data_ = o.data_, size_ = o.size_;
@@ -91,21 +121,36 @@ class Buffer {
     }
     return *this;
   }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
+  BackendArray(const BackendArray&) = delete;
+  BackendArray& operator=(const BackendArray&) = delete;
 
-  float* data() { return data_; }
-  const float* data() const { return data_; }
+  T* data() { return data_; }
+  const T* data() const { return data_; }
   std::size_t size() const { return size_; }
 
  private:
+  static T* allocate(Backend& backend, std::size_t count) {
+    if constexpr (std::is_same_v<T, int>) return backend.allocate_ints(count);
+    else return backend.allocate(count);
+  }
   void reset() {
     if (data_) backend_->release(data_);
     data_ = nullptr, size_ = 0;
   }
   Backend* backend_ = nullptr;
-  float* data_ = nullptr;
+  T* data_ = nullptr;
   std::size_t size_ = 0;
 };
+using Buffer = BackendArray<float>;
+using IntBuffer = BackendArray<int>;
+
+// Positions first .. first + n - 1 in backend memory (for a rope_table outside a forward pass, and tests).
+inline IntBuffer consecutive_positions(Backend& backend, int first, int n) {
+  std::vector<int> host(std::size_t(std::max(n, 0)));
+  for (int i = 0; i < n; ++i) host[i] = first + i;
+  IntBuffer positions(backend, host.size());
+  backend.from_host(positions.data(), host.data(), host.size());
+  return positions;
+}
 
 }  // namespace kvs

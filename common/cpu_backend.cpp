@@ -38,6 +38,17 @@ float* CpuBackend::allocate(std::size_t floats) {
 
 void CpuBackend::release(float* p) { Eigen::internal::aligned_free(p); }
 
+int* CpuBackend::allocate_ints(std::size_t count) {
+  static_assert(sizeof(int) == sizeof(float));
+  return reinterpret_cast<int*>(allocate(count));  // the same aligned block; freed by release(int*)
+}
+
+void CpuBackend::release(int* p) { Eigen::internal::aligned_free(p); }
+
+void CpuBackend::from_host(int* dst, const int* host, std::size_t count) {
+  if (count > 0 && dst != host) std::memcpy(dst, host, count * sizeof(int));
+}
+
 std::string CpuBackend::describe() const {
   return std::string(name()) + ", " + std::to_string(threads_) + " thread" + (threads_ > 1 ? "s" : "");
 }
@@ -51,8 +62,8 @@ std::size_t CpuBackend::attention_scratch_floats(const AttentionShape& shape, in
   return std::size_t(shape.n_heads) * kQueryBlock * max_rows;
 }
 
-void CpuBackend::embed(float* x, const float* table, std::span<const int> tokens, int dim) {
-  for (std::size_t i = 0; i < tokens.size(); ++i)
+void CpuBackend::embed(float* x, const float* table, const int* tokens, int n, int dim) {
+  for (std::size_t i = 0; i < std::size_t(n); ++i)
     std::memcpy(x + i * dim, table + std::size_t(tokens[i]) * dim, dim * sizeof(float));
 }
 
@@ -74,10 +85,10 @@ void CpuBackend::rmsnorm(float* out, const float* x, const float* weight, int n,
   }
 }
 
-void CpuBackend::rope_table(float* table, int pos, int n, int head_dim) {
+void CpuBackend::rope_table(float* table, const int* positions, int n, int head_dim) {
   const int pairs = head_dim / 2;
   for (int i = 0; i < n; ++i)
-    for (int p = 0; p < pairs; ++p) rope_cos_sin(pos + i, p, head_dim, table + (std::size_t(i) * pairs + p) * 2);
+    for (int p = 0; p < pairs; ++p) rope_cos_sin(positions[i], p, head_dim, table + (std::size_t(i) * pairs + p) * 2);
 }
 
 void CpuBackend::rope(float* x, const float* table, int n, int heads, int head_dim) {
@@ -89,8 +100,9 @@ void CpuBackend::rope(float* x, const float* table, int n, int heads, int head_d
     }
 }
 
-void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvView& kv,
+void CpuBackend::attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
                            const AttentionShape& shape, std::span<float> scratch, float* weights) {
+  const int pos = positions[0];  // queries i at pos + i (backend.h)
   // Each head owns a fixed slice of the scratch, (kQueryBlock, max_rows) scores, whatever this view's size.
   const std::size_t head_stride = scratch.size() / shape.n_heads;
   if (std::size_t(kQueryBlock) * kv.rows > head_stride)
@@ -222,6 +234,11 @@ void CpuBackend::attention(float* out, const float* q, int pos, int n, const KvV
   } else {
     for (int h = 0; h < shape.n_heads; ++h) one_head(h);
   }
+}
+
+void CpuBackend::write_rows(float* rows, int row_stride, const int* slots, const float* src, int n, int width) {
+  for (int i = 0; i < n; ++i)
+    copy(rows + std::size_t(slots[i]) * row_stride, src + std::size_t(i) * width, std::size_t(width));
 }
 
 void CpuBackend::swiglu(float* gate, const float* up, std::size_t count) {

@@ -16,6 +16,9 @@ class CpuBackend final : public Backend {
 
   float* allocate(std::size_t floats) override;
   void release(float* p) override;
+  int* allocate_ints(std::size_t count) override;
+  void release(int* p) override;
+  void from_host(int* dst, const int* host, std::size_t count) override;
   const float* upload_weights(const float* host, std::size_t) override { return host; }
   void copy(float* dst, const float* src, std::size_t floats) override;
   void to_host(float* host, const float* src, std::size_t floats) override { copy(host, src, floats); }
@@ -23,13 +26,14 @@ class CpuBackend final : public Backend {
   void synchronize() override {}  // every operation has finished when it returns
   std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows) const override;
 
-  void embed(float* x, const float* table, std::span<const int> tokens, int dim) override;
+  void embed(float* x, const float* table, const int* tokens, int n, int dim) override;
   void matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) override;
   void rmsnorm(float* out, const float* x, const float* weight, int n, int dim) override;
-  void rope_table(float* table, int pos, int n, int head_dim) override;
+  void rope_table(float* table, const int* positions, int n, int head_dim) override;
   void rope(float* x, const float* table, int n, int heads, int head_dim) override;
-  void attention(float* out, const float* q, int pos, int n, const KvView& kv, const AttentionShape& shape,
-                 std::span<float> scratch, float* weights) override;
+  void attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
+                 const AttentionShape& shape, std::span<float> scratch, float* weights) override;
+  void write_rows(float* rows, int row_stride, const int* slots, const float* src, int n, int width) override;
   void swiglu(float* gate, const float* up, std::size_t count) override;
   void add(float* x, const float* y, std::size_t count) override;
 

@@ -3,7 +3,7 @@
 //
 // For each forward pass over positions [pos, pos + n) the model calls, in this order:
 //   prepare(pos, n)                         once, before the first layer (a cache may grow here);
-//   write(layer, pos, n, k, v)              per layer: store the new positions' keys and values;
+//   write(layer, pos, n, positions, k, v)   per layer: store the new positions' keys and values;
 //   view(layer)                             per layer: the rows this layer's attention may read.
 // A cache policy (a chapter's lesson) decides where K/V live and which rows are visible; the forward
 // pass never changes from one chapter to the next. Between forward passes an experiment may read or
@@ -84,8 +84,9 @@ class KvCache {
   // Positions [pos, pos + n) are about to be written by every layer.
   virtual void prepare(int pos, int n) = 0;
   // Store the keys and values of positions [pos, pos + n) for one layer. k, v: (n, kv_dim), backend memory,
-  // valid only during this call.
-  virtual void write(int layer, int pos, int n, const float* k, const float* v) = 0;
+  // valid only during this call. `positions` holds the same n positions in backend memory (what a write
+  // reads when the decode step is recorded and replayed, see replayable()).
+  virtual void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) = 0;
   // What this layer's attention reads; includes the positions just written.
   virtual KvView view(int layer) const = 0;
   // Positions cached so far: the next forward pass starts here (0 for a fresh cache).
@@ -93,6 +94,11 @@ class KvCache {
   // Whether the model must leave q and k unrotated, because attention rotates them as it reads (the
   // views carry read_rope). Only chapter 04's streaming variant says yes.
   virtual bool rotates_at_read() const { return false; }
+  // Whether a decode step through this cache may be recorded once and replayed at every later position
+  // (backend.h, Recording): its views are the same whatever the length, and its writes find their rows
+  // through `positions` (Backend::write_rows), so nothing a step hands the backend depends on the position.
+  // Only between prepare() calls does the cache's own bookkeeping run, and prepare() is never recorded.
+  virtual bool replayable() const { return false; }
   // Where `layer` keeps `position`, for an experiment that reads or overwrites a cached row between forward
   // passes (valid until the next prepare). Throws std::out_of_range (see row_error) for a layer the cache
   // does not have or a position it does not hold: not written yet, or evicted.
@@ -123,7 +129,7 @@ class CallLocalKv final : public KvCache {
  public:
   explicit CallLocalKv(int kv_dim) : kv_dim_(kv_dim) {}
   void prepare(int pos, int n) override { pos_ = pos, n_ = n; }
-  void write(int, int, int, const float* k, const float* v) override { k_ = k, v_ = v; }
+  void write(int, int, int, const int*, const float* k, const float* v) override { k_ = k, v_ = v; }
   KvView view(int) const override {
     return KvView{.keys = k_, .values = v_, .rows = n_, .row_stride = kv_dim_, .first_position = pos_};
   }

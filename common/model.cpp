@@ -8,13 +8,14 @@ namespace {
 
 // Floats of each working buffer for calls of up to `n` positions (the shapes in model.h).
 struct WorkingSizes {
-  std::size_t x, q, kv, hidden, rope, logits, scratch;
+  std::size_t x, q, kv, hidden, rope, logits, step, scratch;
   WorkingSizes(const ModelConfig& c, const Backend& backend, std::size_t n, int max_kv_rows)
       : x(n * c.dim), q(n * c.dim), kv(n * c.kv_dim()), hidden(n * c.hidden_dim), rope(n * c.head_dim()),
-        logits(n * c.vocab_size),
+        logits(n * c.vocab_size), step(2 * n),
         scratch(backend.attention_scratch_floats({c.n_heads, c.n_kv_heads, c.head_dim()}, max_kv_rows)) {}
-  std::size_t device_floats() const { return 3 * x + q + 2 * kv + 2 * hidden + rope + logits + scratch; }
-  std::size_t host_floats() const { return logits; }
+  // The step's integers (token ids, positions) are counted as floats: both are 4 bytes.
+  std::size_t device_floats() const { return 3 * x + q + 2 * kv + 2 * hidden + rope + logits + step + scratch; }
+  std::size_t host_floats() const { return logits + step; }
 };
 
 }  // namespace
@@ -65,7 +66,9 @@ Model::Model(const Checkpoint& checkpoint, Backend& backend, int max_tokens_per_
   rope_ = Buffer(backend, size.rope);
   logits_ = Buffer(backend, size.logits);
   scratch_ = Buffer(backend, size.scratch);
-  host_logits_.resize(size.host_floats());
+  step_ = IntBuffer(backend, size.step);
+  host_step_.resize(size.step);
+  host_logits_.resize(size.logits);
 }
 
 void Model::observe_attention(AttentionObserver* observer) {
@@ -78,28 +81,43 @@ void Model::observe_attention(AttentionObserver* observer) {
 }
 
 std::span<const float> Model::forward(std::span<const int> tokens, int pos, KvCache* cache, Logits which) {
-  const ModelConfig& c = config_;
+  KvCache& kv = load_step(tokens, pos, cache);
+  compute(static_cast<int>(tokens.size()), pos, kv, which);
+  return read_logits(static_cast<int>(tokens.size()), which);
+}
+
+KvCache& Model::load_step(std::span<const int> tokens, int pos, KvCache* cache) {
   const int n = static_cast<int>(tokens.size());
   if (n < 1 || n > max_tokens_)
     throw std::invalid_argument("forward: " + std::to_string(n) + " tokens in one call; this model was set up for 1 to " +
                                 std::to_string(max_tokens_));
   if (pos < 0) throw std::invalid_argument("forward: negative position " + std::to_string(pos));
   for (int token : tokens)
-    if (token < 0 || token >= c.vocab_size)
+    if (token < 0 || token >= config_.vocab_size)
       throw std::invalid_argument("forward: token id " + std::to_string(token) + " is outside the vocabulary [0, " +
-                                  std::to_string(c.vocab_size) + ")");
+                                  std::to_string(config_.vocab_size) + ")");
   KvCache& kv = cache ? *cache : call_local_;
+  kv.prepare(pos, n);
+  // step (2, n): the token ids, then their positions - read by the operations from backend memory.
+  for (int i = 0; i < n; ++i) host_step_[i] = tokens[i], host_step_[n + i] = pos + i;
+  backend_.from_host(step_.data(), host_step_.data(), 2 * std::size_t(n));
+  return kv;
+}
+
+void Model::compute(int n, int pos, KvCache& kv, Logits which) {
+  const ModelConfig& c = config_;
   const AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim()};
   const int dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim;
   Backend& b = backend_;
   float *x = x_.data(), *xb = xb_.data(), *q = q_.data(), *k = k_.data(), *v = v_.data();
   float *att = att_.data(), *hb = hb_.data(), *hb2 = hb2_.data(), *rope = rope_.data();
+  const int* tokens = step_.data();         // (n) token ids
+  const int* positions = step_.data() + n;  // (n) positions pos .. pos + n - 1
 
-  kv.prepare(pos, n);
   // RoPE at the absolute positions, here; or, for a cache that rotates at read time, by attention.
   const bool rotate_here = !kv.rotates_at_read();
-  b.embed(x, token_embedding_, tokens, dim);          // x (n, dim) = embedding rows of the tokens
-  if (rotate_here) b.rope_table(rope, pos, n, c.head_dim());  // rope (n, head_dim/2, 2)
+  b.embed(x, token_embedding_, tokens, n, dim);        // x (n, dim) = embedding rows of the tokens
+  if (rotate_here) b.rope_table(rope, positions, n, c.head_dim());  // rope (n, head_dim/2, 2)
 
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& w = layers_[l];
@@ -112,13 +130,13 @@ std::span<const float> Model::forward(std::span<const int> tokens, int pos, KvCa
       b.rope(q, rope, n, c.n_heads, c.head_dim());
       b.rope(k, rope, n, c.n_kv_heads, c.head_dim());
     }
-    kv.write(l, pos, n, k, v);                        // the cache keeps what later positions will read
+    kv.write(l, pos, n, positions, k, v);             // the cache keeps what later positions will read
     const KvView visible = kv.view(l);                // (rows, kv_dim) keys and values
     if (visible.rows > max_kv_rows_)
       throw std::invalid_argument("forward: the cache shows " + std::to_string(visible.rows) +
                                   " rows; this model was set up for at most " + std::to_string(max_kv_rows_));
     float* weights = observer_ ? observed_weights_.data() : nullptr;  // (n, n_heads, rows) when observed
-    b.attention(att, q, pos, n, visible, shape, {scratch_.data(), scratch_.size()}, weights);  // att (n, dim)
+    b.attention(att, q, positions, n, visible, shape, {scratch_.data(), scratch_.size()}, weights);  // att (n, dim)
     if (observer_) {
       const std::size_t count = std::size_t(n) * c.n_heads * visible.rows;
       b.to_host(host_weights_.data(), weights, count);
@@ -141,9 +159,42 @@ std::span<const float> Model::forward(std::span<const int> tokens, int pos, KvCa
   const int rows = n - first;
   b.rmsnorm(xb, x + std::size_t(first) * dim, rms_final_, rows, dim);  // xb (rows, dim)
   b.matmul(logits_.data(), xb, classifier_, rows, dim, c.vocab_size);  // logits (rows, vocab)
-  const std::size_t count = std::size_t(rows) * c.vocab_size;
-  b.to_host(host_logits_.data(), logits_.data(), count);
+}
+
+std::span<const float> Model::read_logits(int n, Logits which) {
+  const std::size_t count = std::size_t(which == Logits::kLastPosition ? 1 : n) * config_.vocab_size;
+  backend_.to_host(host_logits_.data(), logits_.data(), count);
   return {host_logits_.data(), count};
+}
+
+RecordedDecode::RecordedDecode(Model& model, KvCache& cache) : model_(model), cache_(cache) {
+  if (!model.backend().can_record())
+    throw std::invalid_argument(std::string("recorded decoding: the ") + model.backend().name() +
+                                " backend cannot record operations; decode with forward() instead");
+  if (!cache.replayable())
+    throw std::invalid_argument("recorded decoding needs a cache whose views and writes do not depend on the "
+                                "position (chapter 03's preallocated cache); this one is not replayable");
+}
+
+std::span<const float> RecordedDecode::step(int token, int pos) {
+  if (model_.observer_)
+    throw std::invalid_argument("recorded decoding: detach the attention observer (it reads weights on the host)");
+  const int tokens[1] = {token};
+  model_.load_step(tokens, pos, &cache_);  // the cache's bookkeeping, then the token and position: not recorded
+  Backend& b = model_.backend();
+  if (recording_ < 0) {
+    recording_ = b.begin_recording();
+    try {
+      model_.compute(1, pos, cache_, Logits::kLastPosition);
+    } catch (...) {
+      b.end_recording();
+      recording_ = -1;
+      throw;
+    }
+    b.end_recording();
+  }
+  b.replay(recording_);
+  return model_.read_logits(1, Logits::kLastPosition);
 }
 
 }  // namespace kvs

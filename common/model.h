@@ -54,6 +54,13 @@ class Model {
   int max_kv_rows() const { return max_kv_rows_; }
 
  private:
+  friend class RecordedDecode;
+  // forward() in three parts: check the call and hand its tokens and positions to the backend; the
+  // operations themselves (what a recording captures); the logits back to the host.
+  KvCache& load_step(std::span<const int> tokens, int pos, KvCache* cache);
+  void compute(int n, int pos, KvCache& kv, Logits which);
+  std::span<const float> read_logits(int n, Logits which);
+
   struct LayerWeights {
     const float *rms_att, *wq, *wk, *wv, *wo, *rms_ffn, *w1, *w2, *w3;
   };
@@ -77,11 +84,31 @@ class Model {
   Buffer rope_;      // (N, head_dim/2, 2)  [cos, sin] per position and pair
   Buffer logits_;    // (N, vocab)
   Buffer scratch_;   // attention scores, sized by the backend
+  IntBuffer step_;   // (2, n)          this call's token ids, then their positions (n = the call's positions)
+  std::vector<int> host_step_;      // (2, N)
   std::vector<float> host_logits_;  // (N, vocab)
   CallLocalKv call_local_;
   AttentionObserver* observer_ = nullptr;
   Buffer observed_weights_;         // (N, n_heads, max_kv_rows) once an observer is attached
   std::vector<float> host_weights_; // (N, n_heads, max_kv_rows)
+};
+
+// Decoding with one launch per token (a CUDA graph on the GPU). The first step() records the forward pass
+// of one new token through `cache`; every later step() writes its token and position into backend memory
+// and replays the recording, so the host issues one launch instead of one per operation. The same
+// operations on the same memory: the logits are forward()'s, to the bit. Needs a backend that can record
+// and a replayable cache (chapter 03's: KvCache::replayable); no attention observer.
+class RecordedDecode {
+ public:
+  // Throws std::invalid_argument naming what is missing.
+  RecordedDecode(Model& model, KvCache& cache);
+  // forward({token}, pos, &cache): the logits (1, vocab) of the token at `pos`.
+  std::span<const float> step(int token, int pos);
+
+ private:
+  Model& model_;
+  KvCache& cache_;
+  int recording_ = -1;  // the backend's number for this recording; -1 until the first step
 };
 
 }  // namespace kvs

@@ -36,6 +36,11 @@ class ProfilingBackend final : public Backend {
   bool host_memory() const override { return inner_.host_memory(); }
   float* allocate(std::size_t floats) override { return inner_.allocate(floats); }
   void release(float* p) override { inner_.release(p); }
+  int* allocate_ints(std::size_t count) override { return inner_.allocate_ints(count); }
+  void release(int* p) override { inner_.release(p); }
+  void from_host(int* dst, const int* host, std::size_t count) override {
+    timed(OpKind::kOther, [&] { inner_.from_host(dst, host, count); });
+  }
   const float* upload_weights(const float* host, std::size_t floats) override { return inner_.upload_weights(host, floats); }
   void copy(float* dst, const float* src, std::size_t floats) override {
     timed(OpKind::kOther, [&] { inner_.copy(dst, src, floats); });
@@ -50,8 +55,8 @@ class ProfilingBackend final : public Backend {
   std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows) const override {
     return inner_.attention_scratch_floats(shape, max_rows);
   }
-  void embed(float* x, const float* table, std::span<const int> tokens, int dim) override {
-    timed(OpKind::kOther, [&] { inner_.embed(x, table, tokens, dim); });
+  void embed(float* x, const float* table, const int* tokens, int n, int dim) override {
+    timed(OpKind::kOther, [&] { inner_.embed(x, table, tokens, n, dim); });
   }
   void matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) override {
     timed(OpKind::kMatmul, [&] { inner_.matmul(out, x, w, n, d_in, d_out); });
@@ -59,15 +64,18 @@ class ProfilingBackend final : public Backend {
   void rmsnorm(float* out, const float* x, const float* weight, int n, int dim) override {
     timed(OpKind::kOther, [&] { inner_.rmsnorm(out, x, weight, n, dim); });
   }
-  void rope_table(float* table, int pos, int n, int head_dim) override {
-    timed(OpKind::kOther, [&] { inner_.rope_table(table, pos, n, head_dim); });
+  void rope_table(float* table, const int* positions, int n, int head_dim) override {
+    timed(OpKind::kOther, [&] { inner_.rope_table(table, positions, n, head_dim); });
   }
   void rope(float* x, const float* table, int n, int heads, int head_dim) override {
     timed(OpKind::kOther, [&] { inner_.rope(x, table, n, heads, head_dim); });
   }
-  void attention(float* out, const float* q, int pos, int n, const KvView& kv, const AttentionShape& shape,
-                 std::span<float> scratch, float* weights) override {
-    timed(OpKind::kAttention, [&] { inner_.attention(out, q, pos, n, kv, shape, scratch, weights); });
+  void attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
+                 const AttentionShape& shape, std::span<float> scratch, float* weights) override {
+    timed(OpKind::kAttention, [&] { inner_.attention(out, q, positions, n, kv, shape, scratch, weights); });
+  }
+  void write_rows(float* rows, int row_stride, const int* slots, const float* src, int n, int width) override {
+    timed(OpKind::kOther, [&] { inner_.write_rows(rows, row_stride, slots, src, n, width); });
   }
   void swiglu(float* gate, const float* up, std::size_t count) override {
     timed(OpKind::kOther, [&] { inner_.swiglu(gate, up, count); });

@@ -61,7 +61,8 @@ float compare_with_reference(CpuBackend& backend, const AttentionShape& shape, c
   std::vector<float> scratch(backend.attention_scratch_floats(shape, view.rows));
   // The weights as an observer sees them, compared too (poisoned first: every entry must be written).
   std::vector<float> weights(std::size_t(n) * shape.n_heads * view.rows, NAN), expected_weights(weights.size());
-  backend.attention(out.data(), q.data(), pos, n, view, shape, scratch, weights.data());
+  const IntBuffer positions = consecutive_positions(backend, pos, n);
+  backend.attention(out.data(), q.data(), positions.data(), n, view, shape, scratch, weights.data());
   test::reference_attention(expected.data(), q.data(), pos, n, view, shape, expected_weights.data());
   float worst = 0;
   for (std::size_t i = 0; i < out.size(); ++i) {
@@ -74,7 +75,7 @@ float compare_with_reference(CpuBackend& backend, const AttentionShape& shape, c
   }
   // Without weights requested, the output is the same.
   std::vector<float> plain(out.size());
-  backend.attention(plain.data(), q.data(), pos, n, view, shape, scratch, nullptr);
+  backend.attention(plain.data(), q.data(), positions.data(), n, view, shape, scratch, nullptr);
   if (plain != out) return INFINITY;
   return worst;
 }

@@ -32,12 +32,13 @@ void fill_tagged(Backend& backend, KvCache& cache, const ModelConfig& c, int n) 
   Buffer kb(backend, k.size()), vb(backend, v.size());  // the model's k and v live in backend memory
   for (int p = 0; p < n; ++p) {
     cache.prepare(p, 1);
+    const IntBuffer position = consecutive_positions(backend, p, 1);
     for (int layer = 0; layer < c.n_layers; ++layer) {
       std::fill(k.begin(), k.end(), float(1000 * layer + p));
       std::fill(v.begin(), v.end(), -float(1000 * layer + p));
       backend.from_host(kb.data(), k.data(), k.size());
       backend.from_host(vb.data(), v.data(), v.size());
-      cache.write(layer, p, 1, kb.data(), vb.data());
+      cache.write(layer, p, 1, position.data(), kb.data(), vb.data());
     }
   }
 }
@@ -120,12 +121,13 @@ TEST_CASE("cache writes: every cache refuses a write outside the positions prepa
   for (KvCache* cache : std::vector<KvCache*>{&growing, &preallocated, &ring, &shifted}) {
     fill_tagged(backend, *cache, kSmall, 7);
     cache->prepare(7, 1);
-    cache->write(0, 7, 1, k.data(), v.data());  // the last slot of the preallocated ones: fine
-    CHECK_THROWS_AS(cache->write(0, 8, 1, k.data(), v.data()), std::out_of_range);  // past what prepare announced
-    CHECK_THROWS_AS(cache->write(0, 7, 2, k.data(), v.data()), std::out_of_range);
-    CHECK_THROWS_AS(cache->write(0, -1, 1, k.data(), v.data()), std::out_of_range);
-    CHECK_THROWS_AS(cache->write(kSmall.n_layers, 7, 1, k.data(), v.data()), std::out_of_range);
-    CHECK_THROWS_WITH_AS(cache->write(-1, 7, 1, k.data(), v.data()),
+    const int seven[2] = {7, 8};  // CPU backend: host memory is backend memory
+    cache->write(0, 7, 1, seven, k.data(), v.data());  // the last slot of the preallocated ones: fine
+    CHECK_THROWS_AS(cache->write(0, 8, 1, seven + 1, k.data(), v.data()), std::out_of_range);  // past what prepare announced
+    CHECK_THROWS_AS(cache->write(0, 7, 2, seven, k.data(), v.data()), std::out_of_range);
+    CHECK_THROWS_AS(cache->write(0, -1, 1, seven, k.data(), v.data()), std::out_of_range);
+    CHECK_THROWS_AS(cache->write(kSmall.n_layers, 7, 1, seven, k.data(), v.data()), std::out_of_range);
+    CHECK_THROWS_WITH_AS(cache->write(-1, 7, 1, seven, k.data(), v.data()),
                          doctest::Contains("call prepare first and write only what it announced"), std::out_of_range);
   }
   CHECK_THROWS_AS(preallocated.prepare(8, 1), std::invalid_argument);  // and prepare refuses what does not fit
@@ -189,7 +191,8 @@ TEST_CASE("attention probe: the weights sum to 1 per query head and are the ones
     const KvView view{.keys = k.data(), .values = v.data(), .rows = rows, .row_stride = kv_dim, .window = window};
     std::vector<float> out(n * shape.n_heads * shape.head_dim), weights(std::size_t(n) * shape.n_heads * rows, -1.0f);
     std::vector<float> scratch(backend.attention_scratch_floats(shape, rows));
-    backend.attention(out.data(), q.data(), pos, n, view, shape, scratch, weights.data());
+    backend.attention(out.data(), q.data(), consecutive_positions(backend, pos, n).data(), n, view, shape, scratch,
+                      weights.data());
     for (int i = 0; i < n; ++i)
       for (int h = 0; h < shape.n_heads; ++h) {
         const float* w = &weights[(std::size_t(i) * shape.n_heads + h) * rows];

@@ -23,6 +23,8 @@ const ModelConfig kConfig{.dim = 64, .hidden_dim = 96, .n_layers = 3, .n_heads =
 void write_positions(KvCache& cache, int pos, int n) {
   const int kv_dim = kConfig.kv_dim();
   std::vector<float> k(std::size_t(n) * kv_dim), v(k.size());
+  std::vector<int> positions(n);  // the caches here live on the CPU: host memory is backend memory
+  std::iota(positions.begin(), positions.end(), pos);
   cache.prepare(pos, n);
   for (int layer = 0; layer < kConfig.n_layers; ++layer) {
     for (int i = 0; i < n; ++i)
@@ -30,7 +32,7 @@ void write_positions(KvCache& cache, int pos, int n) {
         k[std::size_t(i) * kv_dim + j] = float(layer * 1000000 + (pos + i) * 100 + j);
         v[std::size_t(i) * kv_dim + j] = -float(layer * 1000000 + (pos + i) * 100 + j);
       }
-    cache.write(layer, pos, n, k.data(), v.data());
+    cache.write(layer, pos, n, positions.data(), k.data(), v.data());
   }
 }
 

@@ -69,9 +69,11 @@ TEST_CASE("cuda kernels: embedding, RMSNorm, SwiGLU and add equal the CPU backen
       const std::vector<float> table = random_vector(std::size_t(vocab) * dim, gen);
       const std::vector<int> tokens = {10, 0, 4};
       std::vector<float> want(std::size_t(n) * dim);
-      cpu.embed(want.data(), table.data(), tokens, dim);
+      cpu.embed(want.data(), table.data(), tokens.data(), n, dim);
       Buffer d_table = test::to_backend(b, table), d_x(b, want.size());
-      b.embed(d_x.data(), d_table.data(), tokens, dim);
+      IntBuffer d_tokens(b, tokens.size());
+      b.from_host(d_tokens.data(), tokens.data(), tokens.size());
+      b.embed(d_x.data(), d_table.data(), d_tokens.data(), n, dim);
       CHECK(worst_excess(test::from_backend(b, d_x), want, 0.0f) <= 0);
 
       const std::vector<float> x = random_vector(std::size_t(n) * dim, gen, 3.0f), weight = random_vector(dim, gen);
@@ -133,9 +135,9 @@ TEST_CASE("cuda kernels: RoPE tables and rotations equal the CPU backend, positi
           CAPTURE(head_dim); CAPTURE(n); CAPTURE(pos);
           const int heads = 3;
           std::vector<float> table(std::size_t(n) * head_dim);
-          cpu.rope_table(table.data(), pos, n, head_dim);
+          cpu.rope_table(table.data(), consecutive_positions(cpu, pos, n).data(), n, head_dim);
           Buffer d_table(b, table.size());
-          b.rope_table(d_table.data(), pos, n, head_dim);
+          b.rope_table(d_table.data(), consecutive_positions(b, pos, n).data(), n, head_dim);
           CHECK(worst_excess(test::from_backend(b, d_table), table, 1e-6f) <= 0);
 
           std::vector<float> x = random_vector(std::size_t(n) * heads * head_dim, gen);
@@ -184,11 +186,13 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
       KvView view = host_view;
       view.keys = d_keys.data(), view.values = d_values.data();
       if (rotate_at_read) view.read_rope = d_table.data();
-      b.attention(d_out.data(), d_q.data(), pos, n, view, shape, {scratch.data(), scratch.size()}, nullptr);
+      const IntBuffer query_positions = consecutive_positions(b, pos, n);
+      b.attention(d_out.data(), d_q.data(), query_positions.data(), n, view, shape, {scratch.data(), scratch.size()}, nullptr);
       CHECK(worst_excess(test::from_backend(b, d_out), want, 1e-4f) <= 0);
       // Observed: the same output, and the weights (poisoned first, so every entry must be written).
       Buffer d_weights = test::to_backend(b, std::vector<float>(want_weights.size(), NAN));
-      b.attention(d_out.data(), d_q.data(), pos, n, view, shape, {scratch.data(), scratch.size()}, d_weights.data());
+      b.attention(d_out.data(), d_q.data(), query_positions.data(), n, view, shape, {scratch.data(), scratch.size()},
+                  d_weights.data());
       CHECK(worst_excess(test::from_backend(b, d_out), want, 1e-4f) <= 0);
       CHECK(worst_excess(test::from_backend(b, d_weights), want_weights, 1e-5f) <= 0);
     };

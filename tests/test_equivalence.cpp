@@ -151,10 +151,12 @@ TEST_CASE("equivalence: the comparison catches a cache that hides its newest key
     ch03::PreallocatedKvCache inner;
     ForgetfulCache(Backend& b, const ModelConfig& c, int n) : inner(b, c, n) {}
     void prepare(int pos, int n) override { inner.prepare(pos, n); }
-    void write(int layer, int pos, int n, const float* k, const float* v) override { inner.write(layer, pos, n, k, v); }
+    void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) override {
+      inner.write(layer, pos, n, positions, k, v);
+    }
     KvView view(int layer) const override {
       KvView v = inner.view(layer);
-      v.rows -= 1;
+      v.rows = inner.length() - 1;  // the view ends just before the newest position
       return v;
     }
     int length() const override { return inner.length(); }

@@ -33,7 +33,9 @@ struct MaskedFullCache final : KvCache {
   MaskedFullCache(Backend& b, const ModelConfig& c, int n, Window w, bool rotate_at_read = false)
       : full(b, c, n), window(w), table(rotate_at_read ? test::rope_table(w.size, c.head_dim()) : std::vector<float>{}) {}
   void prepare(int pos, int n) override { full.prepare(pos, n); }
-  void write(int layer, int pos, int n, const float* k, const float* v) override { full.write(layer, pos, n, k, v); }
+  void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) override {
+    full.write(layer, pos, n, positions, k, v);
+  }
   KvView view(int layer) const override {
     KvView v = full.view(layer);
     v.window = window;
@@ -205,7 +207,7 @@ TEST_CASE("sliding window: position-tagged keys - each query sees exactly its wi
         cache.prepare(pos, 1);
         for (int layer = 0; layer < c.n_layers; ++layer) {
           for (int j = 0; j < kv_dim; ++j) k[j] = float(layer * 100000 + pos * 10 + j), v[j] = -k[j];
-          cache.write(layer, pos, 1, k.data(), v.data());
+          cache.write(layer, pos, 1, &pos, k.data(), v.data());  // a CPU cache: &pos is backend memory
         }
         // The query at `pos` must see exactly the positions key_visible allows, each with its own key.
         std::set<int> expected, seen;

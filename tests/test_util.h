@@ -33,7 +33,8 @@ inline int test_threads() { return sanitizer_run() ? 1 : 2; }
 // backend's table, in host memory (a read-time rotation table for a test's view).
 inline std::vector<float> rope_table(int positions, int head_dim) {
   std::vector<float> table(std::size_t(positions) * head_dim);
-  CpuBackend(1).rope_table(table.data(), 0, positions, head_dim);
+  CpuBackend cpu(1);
+  cpu.rope_table(table.data(), consecutive_positions(cpu, 0, positions).data(), positions, head_dim);
   return table;
 }
 

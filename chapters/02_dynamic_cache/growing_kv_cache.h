@@ -81,7 +81,7 @@ class GrowingKvCache final : public KvCache {
     length_ = needed;
   }
 
-  void write(int layer, int pos, int n, const float* k, const float* v) override {
+  void write(int layer, int pos, int n, const int*, const float* k, const float* v) override {
     check_write("GrowingKvCache", layer, static_cast<int>(keys_.size()), pos, n, length_);
     backend_.copy(keys_[layer].data() + std::size_t(pos) * kv_dim_, k, std::size_t(n) * kv_dim_);
     backend_.copy(values_[layer].data() + std::size_t(pos) * kv_dim_, v, std::size_t(n) * kv_dim_);

@@ -8,7 +8,7 @@
 // one of values. Why this order:
 //  - the k and v the model computes for n new positions are (n, kv_dim) rows: a write is one contiguous
 //    copy per layer for K and one for V;
-//  - the rows attention reads are a prefix of the block, positions 0 .. length-1, in order;
+//  - the rows attention reads are a prefix of the block, positions 0 .. the query's, in order;
 //  - a head's head_dim columns are read with a stride of kv_dim, which the CPU's matrix products take
 //    as an outer stride at no cost. A GPU kernel that wants each head's keys contiguous would pick
 //    [layer][kv_head][position][head_dim] instead, at the price of n_kv_heads copies per write.
@@ -42,17 +42,22 @@ class PreallocatedKvCache final : public KvCache {
     length_ = pos + n;  // pos < length_ rewinds: later rows are overwritten
   }
 
-  void write(int layer, int pos, int n, const float* k, const float* v) override {
+  // Row p of a layer's block holds position p: the positions are the rows to write (write_rows reads them
+  // from backend memory, so a recorded decode step writes the row of the position it is replayed at).
+  void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) override {
     check_write("PreallocatedKvCache", layer, n_layers_, pos, n, length_);
-    const std::size_t row = std::size_t(pos) * kv_dim_;
-    backend_.copy(storage_.data() + block(layer, 0) + row, k, std::size_t(n) * kv_dim_);
-    backend_.copy(storage_.data() + block(layer, 1) + row, v, std::size_t(n) * kv_dim_);
+    backend_.write_rows(storage_.data() + block(layer, 0), kv_dim_, positions, k, n, kv_dim_);
+    backend_.write_rows(storage_.data() + block(layer, 1), kv_dim_, positions, v, n, kv_dim_);
   }
 
+  // The whole block, every allocated row, whatever the length: the rows past a query's position are in its
+  // future, which attention never reads (key_visible), and a view that does not change with the length is
+  // what lets one recorded decode step serve every position (replayable()).
   KvView view(int layer) const override {
     return KvView{.keys = storage_.data() + block(layer, 0), .values = storage_.data() + block(layer, 1),
-                  .rows = length_, .row_stride = kv_dim_};
+                  .rows = max_positions_, .row_stride = kv_dim_};
   }
+  bool replayable() const override { return true; }
 
   int length() const override { return length_; }
   KvRow row(int layer, int position) override {

@@ -54,7 +54,8 @@ class SlidingWindowKvCache final : public KvCache {
         slot_positions_(ring_.slots, -1) {
     if (positions_ == KeyPositions::kWithinWindow) {  // [cos, sin] of positions 0 .. window - 1, once
       read_rope_ = Buffer(backend, std::size_t(window.size) * config.head_dim());
-      backend.rope_table(read_rope_.data(), 0, window.size, config.head_dim());
+      backend.rope_table(read_rope_.data(), consecutive_positions(backend, 0, window.size).data(), window.size,
+                         config.head_dim());
     }
   }
 
@@ -75,7 +76,7 @@ class SlidingWindowKvCache final : public KvCache {
     length_ = pos + n;
   }
 
-  void write(int layer, int pos, int n, const float* k, const float* v) override {
+  void write(int layer, int pos, int n, const int*, const float* k, const float* v) override {
     check_write("SlidingWindowKvCache", layer, n_layers_, pos, n, length_);
     for (int i = 0; i < n; ++i) {  // one row per position: consecutive positions may wrap
       const std::size_t row = std::size_t(ring_.write_slot(pos + i)) * kv_dim_;

@@ -50,7 +50,7 @@ class OffByOneKvCache final : public KvCache {
     length_ = pos + n;
   }
 
-  void write(int layer, int pos, int n, const float* k, const float* v) override {
+  void write(int layer, int pos, int n, const int*, const float* k, const float* v) override {
     check_write("OffByOneKvCache", layer, n_layers_, pos, n, length_);
     const int s = write_slot(pos, shift_);
     backend_.copy(storage_.data() + offset(layer, 0, s), k, std::size_t(n) * kv_dim_);

@@ -19,12 +19,20 @@ namespace {
 
 class Blas {
  public:
-  Blas() {
+  explicit Blas(cudaStream_t stream) {
     KVS_CUBLAS_CHECK(cublasCreate(&handle_));
     // Plain fp32 arithmetic: no TF32 tensor-core shortcut, so the logits stay within the CPU's tolerance.
     KVS_CUBLAS_CHECK(cublasSetMathMode(handle_, CUBLAS_PEDANTIC_MATH));
+    KVS_CUBLAS_CHECK(cublasSetStream(handle_, stream));
+    // A workspace of our own: cuBLAS then never allocates inside a stream capture (a recorded decode step),
+    // where an allocation is not allowed. 32 MiB is NVIDIA's advice for Hopper.
+    KVS_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
+    KVS_CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_, kWorkspaceBytes));
   }
-  ~Blas() { cublasDestroy(handle_); }
+  ~Blas() {
+    cublasDestroy(handle_);
+    cudaFree(workspace_);
+  }
   Blas(const Blas&) = delete;
   Blas& operator=(const Blas&) = delete;
 
@@ -38,7 +46,9 @@ class Blas {
   }
 
  private:
+  static constexpr std::size_t kWorkspaceBytes = std::size_t(32) << 20;
   cublasHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
 };
 
 }  // namespace

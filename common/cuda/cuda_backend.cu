@@ -74,13 +74,21 @@ __global__ void rmsnorm_kernel(float* out, const float* x, const float* weight, 
   for (int d = threadIdx.x; d < dim; d += blockDim.x) out[row + d] = x[row + d] * inv_rms * weight[d];
 }
 
-// table (n, head_dim/2, 2) = [cos, sin] of positions pos .. pos + n - 1: rope.h's one definition. Grid
-// (ceil(n · pairs / 256)), block 256: one thread per (position, pair).
-__global__ void rope_table_kernel(float* table, int pos, int n, int head_dim) {
+// table (n, head_dim/2, 2) = [cos, sin] of positions[0 .. n-1] (device memory): rope.h's one definition.
+// Grid (ceil(n · pairs / 256)), block 256: one thread per (position, pair).
+__global__ void rope_table_kernel(float* table, const int* positions, int n, int head_dim) {
   const int pairs = head_dim / 2;
   const int index = blockIdx.x * blockDim.x + threadIdx.x;
   if (index >= n * pairs) return;
-  rope_cos_sin(pos + index / pairs, index % pairs, head_dim, table + std::size_t(index) * 2);
+  rope_cos_sin(positions[index / pairs], index % pairs, head_dim, table + std::size_t(index) * 2);
+}
+
+// rows[slots[i]] = src[i]: row i of src (n, width) into row slots[i] of `rows` (row_stride floats apart);
+// slots in device memory. Grid (n), block 256: block i copies row i, its threads stride over width.
+__global__ void write_rows_kernel(float* rows, int row_stride, const int* slots, const float* src, int width) {
+  const std::size_t i = blockIdx.x;
+  float* row = rows + std::size_t(slots[i]) * row_stride;
+  for (int d = threadIdx.x; d < width; d += blockDim.x) row[d] = src[i * width + d];
 }
 
 // Rotates x (n, heads, head_dim) in place. Grid (ceil(n · heads · pairs / 256)), block 256: one thread per
@@ -95,7 +103,10 @@ __global__ void rope_kernel(float* x, const float* table, int n, int heads, int 
 
 // Attention of one query head over the view, with an online softmax (no score buffer: the running maximum,
 // sum and weighted values are rescaled as larger scores arrive), so any number of rows needs no scratch.
-//   out (n, n_heads · head_dim), q (n, n_heads · head_dim) at positions pos .. pos + n - 1.
+//   out (n, n_heads · head_dim), q (n, n_heads · head_dim) at positions[0 .. n-1] (device memory).
+// A view without row_positions holds increasing positions: a query visits only the rows up to its own
+// position (the rest are its future), so a view of a whole preallocated buffer costs what its written
+// prefix costs - and stays the same view at every step (a recorded decode step relies on that).
 // Grid (n_heads, n), block warps · 32 (warps <= kMaxAttentionWarps, chosen by the caller): block (h, i)
 // computes query i's head h. Warp w visits rows w, w + warps, ...; a row that key_visible hides is skipped whole (its keys and values are
 // never read, so an empty slot's bytes, NaN included, cannot leak in). Within a row, lane l holds the
@@ -107,14 +118,16 @@ constexpr int kMaxHeadDim = 256;
 constexpr int kPerLane = kMaxHeadDim / kWarp;
 
 __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
-    attention_kernel(float* out, float* weights, const float* q, int pos, KvView kv, int n_heads, int group,
-                     int head_dim) {
+    attention_kernel(float* out, float* weights, const float* q, const int* positions, KvView kv, int n_heads,
+                     int group, int head_dim) {
   __shared__ float warp_max[kMaxAttentionWarps];
   __shared__ float warp_total[kMaxAttentionWarps];
   __shared__ float warp_values[kMaxAttentionWarps][kMaxHeadDim];
   const int h = blockIdx.x, i = blockIdx.y;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
-  const int query_pos = pos + i, kv_offset = (h / group) * head_dim, dim = n_heads * head_dim;
+  const int query_pos = positions[i], kv_offset = (h / group) * head_dim, dim = n_heads * head_dim;
+  const int prefix = query_pos - kv.first_position + 1;  // rows up to the query's own position
+  const int row_end = kv.row_positions ? kv.rows : prefix < 0 ? 0 : prefix < kv.rows ? prefix : kv.rows;
   const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));
   const float minus_inf = -INFINITY;
 
@@ -145,7 +158,7 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
     return warp_sum(dot) * scale;
   };
   float running_max = minus_inf, total = 0.0f;
-  for (int r = warp; r < kv.rows; r += warps) {
+  for (int r = warp; r < row_end; r += warps) {
     const int key_pos = kv.position_of(r);
     if (!key_visible(query_pos, key_pos, kv.window)) continue;  // the same r in every lane
     const float* value = kv.values + std::size_t(r) * kv.row_stride + kv_offset;
@@ -181,7 +194,7 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
   float* observed = weights + (std::size_t(i) * n_heads + h) * kv.rows;
   for (int r = warp; r < kv.rows; r += warps) {
     const int key_pos = kv.position_of(r);
-    const bool visible = key_visible(query_pos, key_pos, kv.window);
+    const bool visible = r < row_end && key_visible(query_pos, key_pos, kv.window);
     const float weight = visible ? expf(score_of(r, key_pos) - block_max) / block_total : 0.0f;
     if (lane == 0) observed[r] = weight;
   }
@@ -210,30 +223,33 @@ unsigned blocks_for(std::size_t count) {
   return static_cast<unsigned>(std::min<std::size_t>((count + kThreads - 1) / kThreads, kMaxBlocks));
 }
 
+// Every operation is queued on the backend's own stream (the legacy default stream cannot be captured);
+// the copies to the host wait for it.
+cudaStream_t new_stream() {
+  cudaStream_t stream = nullptr;
+  KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return stream;
+}
+
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(std::string name) : name_(std::move(name)) {}
+  explicit CudaBackend(std::string name) : name_(std::move(name)), stream_(new_stream()), blas_(stream_) {}
   ~CudaBackend() override {
+    if (graph_) cudaGraphExecDestroy(graph_);
     for (float* w : weights_) cudaFree(w);
-    cudaFree(tokens_);
     cudaFree(row_positions_);
+    cudaStreamDestroy(stream_);
   }
   const char* name() const override { return name_.c_str(); }
   std::string describe() const override { return name_; }
   bool host_memory() const override { return false; }
 
-  float* allocate(std::size_t floats) override {
-    float* p = nullptr;
-    if (cudaMalloc(&p, std::max<std::size_t>(floats, 1) * sizeof(float)) != cudaSuccess) {
-      cudaGetLastError();  // clear the error so later calls do not report it
-      throw std::runtime_error("cannot allocate " + std::to_string(floats * sizeof(float)) +
-                               " bytes of GPU memory; use fewer positions or a smaller model");
-    }
-    return p;
-  }
+  float* allocate(std::size_t floats) override { return static_cast<float*>(allocate_bytes(floats * sizeof(float))); }
   // Not checked: Buffer calls this from its destructor, which must not throw; a failed free leaves the
   // error for the next checked call to report.
   void release(float* p) override { cudaFree(p); }
+  int* allocate_ints(std::size_t count) override { return static_cast<int*>(allocate_bytes(count * sizeof(int))); }
+  void release(int* p) override { cudaFree(p); }
   const float* upload_weights(const float* host, std::size_t floats) override {
     float* device = allocate(floats);
     weights_.push_back(device);
@@ -242,39 +258,65 @@ class CudaBackend final : public Backend {
   }
   void copy(float* dst, const float* src, std::size_t floats) override {
     check_no_overlap(dst, src, floats);
-    if (floats) KVS_CUDA_CHECK(cudaMemcpy(dst, src, floats * sizeof(float), cudaMemcpyDeviceToDevice));
+    if (floats) KVS_CUDA_CHECK(cudaMemcpyAsync(dst, src, floats * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
   }
   void to_host(float* host, const float* src, std::size_t floats) override {
-    if (floats) KVS_CUDA_CHECK(cudaMemcpy(host, src, floats * sizeof(float), cudaMemcpyDeviceToHost));
+    if (!floats) return;
+    KVS_CUDA_CHECK(cudaMemcpyAsync(host, src, floats * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    KVS_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
+  // From pageable host memory the copy is staged before the call returns: `host` may change right after.
   void from_host(float* dst, const float* host, std::size_t floats) override {
-    if (floats) KVS_CUDA_CHECK(cudaMemcpy(dst, host, floats * sizeof(float), cudaMemcpyHostToDevice));
+    if (floats) KVS_CUDA_CHECK(cudaMemcpyAsync(dst, host, floats * sizeof(float), cudaMemcpyHostToDevice, stream_));
   }
-  void synchronize() override { KVS_CUDA_CHECK(cudaDeviceSynchronize()); }
+  void from_host(int* dst, const int* host, std::size_t count) override {
+    if (count) KVS_CUDA_CHECK(cudaMemcpyAsync(dst, host, count * sizeof(int), cudaMemcpyHostToDevice, stream_));
+  }
+  void synchronize() override { KVS_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
   std::size_t attention_scratch_floats(const AttentionShape&, int) const override { return 0; }
 
-  void embed(float* x, const float* table, std::span<const int> tokens, int dim) override {
-    const int* device_tokens = to_device(tokens_, tokens_capacity_, tokens.data(), tokens.size());
-    KVS_LAUNCH(embed_kernel, dim3(static_cast<unsigned>(tokens.size())), dim3(kThreads), 0, nullptr, x, table,
-               device_tokens, dim);
+  // Recording is CUDA stream capture: the operations queued between the two calls become a graph, which
+  // replay() launches with one call.
+  bool can_record() const override { return true; }
+  int begin_recording() override {
+    KVS_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    return ++recordings_;
+  }
+  void end_recording() override {
+    cudaGraph_t graph = nullptr;
+    KVS_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    if (graph_) KVS_CUDA_CHECK(cudaGraphExecDestroy(graph_));
+    graph_ = nullptr;
+    const cudaError_t instantiated = cudaGraphInstantiate(&graph_, graph, 0);
+    cudaGraphDestroy(graph);
+    KVS_CUDA_CHECK(instantiated);
+  }
+  void replay(int recording) override {
+    if (recording != recordings_ || !graph_)
+      throw std::logic_error("replay: recording " + std::to_string(recording) + " is not the last one recorded");
+    KVS_CUDA_CHECK(cudaGraphLaunch(graph_, stream_));
+  }
+
+  void embed(float* x, const float* table, const int* tokens, int n, int dim) override {
+    KVS_LAUNCH(embed_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, x, table, tokens, dim);
   }
   void matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) override {
     blas_.matmul_rows(out, x, w, n, d_in, d_out);
   }
   void rmsnorm(float* out, const float* x, const float* weight, int n, int dim) override {
-    KVS_LAUNCH(rmsnorm_kernel, dim3(n), dim3(kThreads), 0, nullptr, out, x, weight, dim);
+    KVS_LAUNCH(rmsnorm_kernel, dim3(n), dim3(kThreads), 0, stream_, out, x, weight, dim);
   }
-  void rope_table(float* table, int pos, int n, int head_dim) override {
-    KVS_LAUNCH(rope_table_kernel, dim3(blocks_for(std::size_t(n) * head_dim / 2)), dim3(kThreads), 0, nullptr, table,
-               pos, n, head_dim);
+  void rope_table(float* table, const int* positions, int n, int head_dim) override {
+    KVS_LAUNCH(rope_table_kernel, dim3(blocks_for(std::size_t(n) * head_dim / 2)), dim3(kThreads), 0, stream_, table,
+               positions, n, head_dim);
   }
   void rope(float* x, const float* table, int n, int heads, int head_dim) override {
     const std::size_t threads = std::size_t(n) * heads * head_dim / 2;
-    KVS_LAUNCH(rope_kernel, dim3(static_cast<unsigned>((threads + kThreads - 1) / kThreads)), dim3(kThreads), 0, nullptr,
+    KVS_LAUNCH(rope_kernel, dim3(static_cast<unsigned>((threads + kThreads - 1) / kThreads)), dim3(kThreads), 0, stream_,
                x, table, n, heads, head_dim);
   }
-  void attention(float* out, const float* q, int pos, int n, const KvView& kv, const AttentionShape& shape,
-                 std::span<float>, float* weights) override {
+  void attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
+                 const AttentionShape& shape, std::span<float>, float* weights) override {
     if (shape.head_dim > kMaxHeadDim)
       throw std::invalid_argument("attention: head_dim " + std::to_string(shape.head_dim) +
                                   " is larger than the CUDA kernel's " + std::to_string(kMaxHeadDim));
@@ -282,42 +324,58 @@ class CudaBackend final : public Backend {
       throw std::invalid_argument("attention: read-time rotation needs a window (its table covers its positions)");
     KvView device_view = kv;
     // Per-row positions live in host memory today (a cache's bookkeeping): the kernel reads a copy.
-    if (kv.row_positions)
-      device_view.row_positions = to_device(row_positions_, row_positions_capacity_, kv.row_positions, kv.rows);
+    if (kv.row_positions) device_view.row_positions = row_positions_on_device(kv.row_positions, kv.rows);
     // Decoding, one query per head: few blocks, so more warps per block share the rows (one per 64 rows, up
     // to 16). Prefill has a block per query and head already: 4 warps.
     const int warps = n == 1 ? std::clamp(kv.rows / 64, 1, kMaxAttentionWarps) : 4;
-    KVS_LAUNCH(attention_kernel, dim3(shape.n_heads, n), dim3(warps * kWarp), 0, nullptr, out, weights, q, pos,
+    KVS_LAUNCH(attention_kernel, dim3(shape.n_heads, n), dim3(warps * kWarp), 0, stream_, out, weights, q, positions,
                device_view, shape.n_heads, shape.n_heads / shape.n_kv_heads, shape.head_dim);
   }
+  void write_rows(float* rows, int row_stride, const int* slots, const float* src, int n, int width) override {
+    KVS_LAUNCH(write_rows_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, row_stride, slots,
+               src, width);
+  }
   void swiglu(float* gate, const float* up, std::size_t count) override {
-    KVS_LAUNCH(swiglu_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, nullptr, gate, up, count);
+    KVS_LAUNCH(swiglu_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, stream_, gate, up, count);
   }
   void add(float* x, const float* y, std::size_t count) override {
-    KVS_LAUNCH(add_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, nullptr, x, y, count);
+    KVS_LAUNCH(add_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, stream_, x, y, count);
   }
 
  private:
-  // Copies `count` ints from the host into a device buffer that grows when a call needs more (a prompt
-  // longer than any before; never during decoding).
-  const int* to_device(int*& buffer, std::size_t& capacity, const int* host, std::size_t count) {
-    if (count > capacity) {
-      KVS_CUDA_CHECK(cudaFree(buffer));
-      buffer = nullptr;
-      KVS_CUDA_CHECK(cudaMalloc(&buffer, count * sizeof(int)));
-      capacity = count;
+  void* allocate_bytes(std::size_t bytes) {
+    void* p = nullptr;
+    if (cudaMalloc(&p, std::max<std::size_t>(bytes, 1)) != cudaSuccess) {
+      cudaGetLastError();  // clear the error so later calls do not report it
+      throw std::runtime_error("cannot allocate " + std::to_string(bytes) +
+                               " bytes of GPU memory; use fewer positions or a smaller model");
     }
-    if (count) KVS_CUDA_CHECK(cudaMemcpy(buffer, host, count * sizeof(int), cudaMemcpyHostToDevice));
-    return buffer;
+    return p;
+  }
+  // Copies a view's row positions into a device buffer that grows when a view has more rows than any before
+  // (a ring's rows are fixed: never during decoding). Not recordable (a copy from pageable memory): only
+  // the ring cache has row positions, and it is not replayable.
+  const int* row_positions_on_device(const int* host, int rows) {
+    if (std::size_t(rows) > row_positions_capacity_) {
+      KVS_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old buffer may still be read by queued work
+      KVS_CUDA_CHECK(cudaFree(row_positions_));
+      row_positions_ = nullptr;
+      KVS_CUDA_CHECK(cudaMalloc(&row_positions_, rows * sizeof(int)));
+      row_positions_capacity_ = rows;
+    }
+    // On the stream, so it lands after the queued kernels have read the previous rows.
+    KVS_CUDA_CHECK(cudaMemcpyAsync(row_positions_, host, rows * sizeof(int), cudaMemcpyHostToDevice, stream_));
+    return row_positions_;
   }
 
   std::string name_;
+  cudaStream_t stream_;
   Blas blas_;
   std::vector<float*> weights_;
-  int* tokens_ = nullptr;
-  std::size_t tokens_capacity_ = 0;
   int* row_positions_ = nullptr;
   std::size_t row_positions_capacity_ = 0;
+  cudaGraphExec_t graph_ = nullptr;
+  int recordings_ = 0;
 };
 
 }  // namespace

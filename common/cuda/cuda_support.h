@@ -26,9 +26,10 @@ namespace kvs::cuda {
   } while (0)
 
 #if defined(KVS_CUDA_HARNESS)
-// Every thread of every block runs `kernel(args...)` on the CPU (see harness/cuda_runtime_harness.h).
+// Every thread of every block runs `kernel(args...)` on the CPU (see harness/cuda_runtime_harness.h); the
+// stream is ignored (everything runs in order), unless a capture records the launch.
 #define KVS_LAUNCH(kernel, grid, block, shared_bytes, stream, ...) \
-  ::kvs::cuda_harness::launch(#kernel, grid, block, shared_bytes, [&] { kernel(__VA_ARGS__); })
+  ::kvs::cuda_harness::launch_kernel(#kernel, grid, block, shared_bytes, kernel, __VA_ARGS__)
 #define KVS_DYNAMIC_SHARED(type, name) type* name = static_cast<type*>(::kvs::cuda_harness::dynamic_shared_memory())
 #else
 #define KVS_LAUNCH(kernel, grid, block, shared_bytes, stream, ...)      \

@@ -14,7 +14,11 @@
 //     __syncwarp, with their masks honoured: every lane named in a mask must make the same call with the
 //     same mask, and a shuffle may read only a lane of its mask;
 //   - atomics (trivially: one thread runs at a time);
-//   - the runtime calls the backend uses (cudaMalloc, cudaMemcpy, ...), on host memory.
+//   - the runtime calls the backend uses (cudaMalloc, cudaMemcpy, ...), on host memory;
+//   - stream capture and graphs: between cudaStreamBeginCapture and cudaStreamEndCapture, launches,
+//     asynchronous copies and the harness's matrix products are recorded (kernel arguments by value, as a
+//     launch copies them), not run; cudaGraphLaunch runs the recording. A synchronous copy, a stream
+//     synchronisation or a second capture while capturing is refused, as CUDA refuses it.
 // Errors it reports, naming the kernel: a __syncthreads() that some threads of the block never reach (they
 // exited or wait elsewhere), a warp operation that a lane of its mask never joins or joins with another
 // mask, a shuffle reading a lane outside its mask. A deadlock is reported, never a hang.
@@ -66,6 +70,17 @@ namespace kvs::cuda_harness {
 // `kernel` on a launch error or a synchronisation error.
 void launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes,
             const std::function<void()>& body);
+// KVS_LAUNCH: the arguments are copied, as a CUDA launch copies them, so a recorded launch (stream capture)
+// does not refer to the caller's variables.
+template <typename Kernel, typename... Args>
+void launch_kernel(const char* name, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes, Kernel* kernel,
+                   Args... args) {
+  launch(name, grid, block, dynamic_shared_bytes, [=] { kernel(args...); });
+}
+// Work on the stream outside a kernel (a copy, the harness's matrix product): runs now, or is recorded
+// while a stream capture is active.
+void run_or_record(const std::function<void()>& work);
+bool capturing();
 // The order in which the threads of a block run between synchronisation points: "sequential", "reverse"
 // or "random:SEED" (what KVS_CUDA_HARNESS_ORDER sets at the first launch). Throws on another value.
 void set_thread_order(const std::string& order);
@@ -165,7 +180,14 @@ T __ldg(const T* p) {
 }
 
 // ---- the runtime API, on host memory ----
-enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorMemoryAllocation = 2, cudaErrorNoDevice = 100 };
+enum cudaError_t {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorNoDevice = 100,
+  cudaErrorStreamCaptureUnsupported = 900,
+  cudaErrorIllegalState = 401
+};
 enum cudaMemcpyKind {
   cudaMemcpyHostToHost = 0,
   cudaMemcpyHostToDevice = 1,
@@ -175,6 +197,12 @@ enum cudaMemcpyKind {
 };
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
+struct CUgraph_st;
+using cudaGraph_t = CUgraph_st*;
+struct CUgraphExec_st;
+using cudaGraphExec_t = CUgraphExec_st*;
+enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal = 0, cudaStreamCaptureModeThreadLocal = 1, cudaStreamCaptureModeRelaxed = 2 };
+inline constexpr unsigned cudaStreamNonBlocking = 1;
 
 cudaError_t cudaMalloc(void** pointer, std::size_t bytes);
 template <class T>
@@ -189,4 +217,12 @@ cudaError_t cudaDeviceSynchronize();
 cudaError_t cudaStreamSynchronize(cudaStream_t stream);
 cudaError_t cudaGetLastError();
 cudaError_t cudaGetDeviceCount(int* count);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags);
+cudaError_t cudaStreamDestroy(cudaStream_t stream);
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mode);
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph);
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long flags = 0);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream);
+cudaError_t cudaGraphDestroy(cudaGraph_t graph);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
 const char* cudaGetErrorString(cudaError_t error);

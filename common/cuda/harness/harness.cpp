@@ -370,9 +370,18 @@ Thread& calling_thread(const char* what) {
 
 }  // namespace
 
+// The work recorded by the stream capture in progress (null: none in progress).
+std::vector<std::function<void()>>* capture = nullptr;
+
+void run_or_record(const std::function<void()>& work) {
+  if (capture) capture->push_back(work);
+  else work();
+}
+bool capturing() { return capture != nullptr; }
+
 void launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes,
             const std::function<void()>& body) {
-  scheduler().launch(kernel, grid, block, dynamic_shared_bytes, body);
+  run_or_record([=] { scheduler().launch(kernel, grid, block, dynamic_shared_bytes, body); });
 }
 
 void* dynamic_shared_memory() { return scheduler().dynamic_shared(); }
@@ -424,18 +433,74 @@ cudaError_t cudaFree(void* pointer) {
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind) {
+  if (kvs::cuda_harness::capturing()) return cudaErrorStreamCaptureUnsupported;  // as CUDA: it would synchronise
   if (bytes) std::memcpy(dst, src, bytes);  // memcpy, not memmove: ASan reports overlapping ranges
   return cudaSuccess;
 }
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
-  return cudaMemcpy(dst, src, bytes, kind);
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind, cudaStream_t) {
+  kvs::cuda_harness::run_or_record([=] {
+    if (bytes) std::memcpy(dst, src, bytes);
+  });
+  return cudaSuccess;
 }
 cudaError_t cudaMemset(void* dst, int value, std::size_t bytes) {
   if (bytes) std::memset(dst, value, bytes);
   return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize() {
+  return kvs::cuda_harness::capturing() ? cudaErrorStreamCaptureUnsupported : cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t) {
+  return kvs::cuda_harness::capturing() ? cudaErrorStreamCaptureUnsupported : cudaSuccess;
+}
+
+// Streams: everything runs in order at the call, so a stream is only a distinct non-null handle.
+struct CUstream_st {};
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned) {
+  *stream = new CUstream_st;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  delete stream;
+  return cudaSuccess;
+}
+
+// A graph is the list of work recorded by a capture; its executable form is a copy.
+struct CUgraph_st {
+  std::vector<std::function<void()>> work;
+};
+struct CUgraphExec_st {
+  std::vector<std::function<void()>> work;
+};
+cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode) {
+  if (kvs::cuda_harness::capture) return cudaErrorIllegalState;  // one capture at a time
+  kvs::cuda_harness::capture = new std::vector<std::function<void()>>;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t* graph) {
+  if (!kvs::cuda_harness::capture) return cudaErrorIllegalState;
+  *graph = new CUgraph_st{std::move(*kvs::cuda_harness::capture)};
+  delete kvs::cuda_harness::capture;
+  kvs::cuda_harness::capture = nullptr;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
+  *exec = new CUgraphExec_st{graph->work};
+  return cudaSuccess;
+}
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t) {
+  if (kvs::cuda_harness::capturing()) return cudaErrorStreamCaptureUnsupported;
+  for (const auto& work : exec->work) work();
+  return cudaSuccess;
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  delete graph;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  delete exec;
+  return cudaSuccess;
+}
 cudaError_t cudaGetLastError() { return cudaSuccess; }
 cudaError_t cudaGetDeviceCount(int* count) {
   *count = 1;
@@ -447,6 +512,8 @@ const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
+    case cudaErrorIllegalState: return "the operation cannot be performed in the present state";
   }
   return "unknown error";
 }
