@@ -1,6 +1,7 @@
 #include "generate.h"
 
 #include <algorithm>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -53,7 +54,8 @@ Generation generate_naive(Model& model, Sampler& sampler, std::span<const int> p
 
 Generation generate_cached(Model& model, KvCache& cache, Sampler& sampler, std::span<const int> prompt,
                            int max_new_tokens, int prefill_chunk, const OnToken& on_token,
-                           const OnLogits& on_logits, std::span<const int> forced_tokens) {
+                           const OnLogits& on_logits, std::span<const int> forced_tokens,
+                           DecodeSteps decode_steps) {
   Generation g = start(prompt, max_new_tokens);
   if (!forced_tokens.empty() && static_cast<int>(forced_tokens.size()) < max_new_tokens)
     throw std::invalid_argument("generate_cached: " + std::to_string(forced_tokens.size()) + " forced tokens for " +
@@ -66,6 +68,8 @@ Generation generate_cached(Model& model, KvCache& cache, Sampler& sampler, std::
     throw std::invalid_argument("generate_cached: the cache already holds " + std::to_string(cache.length()) +
                                 " positions; start from an empty cache");
   if (max_new_tokens == 0) return g;
+  std::optional<RecordedDecode> recorded;  // refuses a backend or cache that cannot, before any work
+  if (decode_steps == DecodeSteps::kRecorded) recorded.emplace(model, cache);
   const int prompt_len = static_cast<int>(prompt.size());
   const int chunk = prefill_chunk > 0 ? prefill_chunk : prompt_len;
 
@@ -81,7 +85,8 @@ Generation generate_cached(Model& model, KvCache& cache, Sampler& sampler, std::
   for (int step = 1; step < max_new_tokens; ++step) {
     timer = Stopwatch();
     const int pos = static_cast<int>(g.tokens.size()) - 1;  // the token generated last is not cached yet
-    logits = model.forward(std::span<const int>(&g.tokens[pos], 1), pos, &cache);
+    logits = recorded ? recorded->step(g.tokens[pos], pos)
+                      : model.forward(std::span<const int>(&g.tokens[pos], 1), pos, &cache);
     accept(g, step, next(step, logits), logits, timer, on_token, on_logits);
   }
   return g;

@@ -42,8 +42,13 @@ Generation generate_naive(Model& model, Sampler& sampler, std::span<const int> p
 // logits say (the sampler is not asked), so two runs see the same context and differ only in their caches;
 // it must hold max_new_tokens tokens. on_logits may read or overwrite the cache (KvCache::row): it runs
 // between forward passes.
+// DecodeSteps::kRecorded: the decode steps go through RecordedDecode (model.h) - the first one records the
+// step, the others replay it with one launch (a CUDA graph); the same logits. Throws std::invalid_argument
+// before the prefill when the backend or the cache cannot do that.
+enum class DecodeSteps { kForward, kRecorded };
 Generation generate_cached(Model& model, KvCache& cache, Sampler& sampler, std::span<const int> prompt,
                            int max_new_tokens, int prefill_chunk = 0, const OnToken& on_token = {},
-                           const OnLogits& on_logits = {}, std::span<const int> forced_tokens = {});
+                           const OnLogits& on_logits = {}, std::span<const int> forced_tokens = {},
+                           DecodeSteps decode_steps = DecodeSteps::kForward);
 
 }  // namespace kvs

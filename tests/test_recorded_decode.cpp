@@ -1,0 +1,136 @@
+// A decode step recorded once and replayed (a CUDA graph on a GPU): the replayed steps must give exactly
+// what forward() gives, which holds only if nothing that changes from step to step (the token, its position,
+// the row the cache writes) was baked into the recording. Runs on every backend that can record: the CUDA
+// kernels through the harness (which records launches as CUDA stream capture does) and a GPU where present.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "02_dynamic_cache/growing_kv_cache.h"
+#include "03_preallocated_cache/preallocated_kv_cache.h"
+#include "cli.h"
+#include "cpu_backend.h"
+#include "equivalence.h"
+#include "generate.h"
+#include "test_backends.h"
+#include "tokenizer.h"
+
+using namespace kvs;
+
+TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on every backend that can record") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const std::vector<int> prompt = encode_bytes("And God said, Let there be");
+  bool any = false;
+  for (const std::string& name : test::test_backend_names()) {
+    auto backend = test::make_test_backend(name);
+    if (!backend->can_record()) continue;
+    any = true;
+    CAPTURE(name);
+    // Through the harness every CUDA thread is a fiber: a few dozen steps; on a GPU, 200.
+    const int new_tokens = name == "cuda" ? 200 : 24;
+    const int positions = static_cast<int>(prompt.size()) + new_tokens;
+    Model model(checkpoint, *backend, positions, positions);
+    auto run = [&](DecodeSteps steps) {
+      return record([&](const OnLogits& on_logits) {
+        ch03::PreallocatedKvCache cache(*backend, checkpoint.config(), positions);
+        Sampler greedy(256, {});
+        return generate_cached(model, cache, greedy, prompt, new_tokens, 0, {}, on_logits, {}, steps);
+      });
+    };
+    const RecordedRun forward = run(DecodeSteps::kForward), replayed = run(DecodeSteps::kRecorded);
+    const Equivalence e = check_equivalence(forward, replayed, static_cast<int>(prompt.size()));
+    MESSAGE(name << ": " << e.steps << " steps, worst logit difference " << e.worst_logit_difference);
+    CHECK(e.steps == new_tokens);
+    CHECK(e.first_token_mismatch == -1);
+    // The same kernels on the same memory: exactly the same logits in the harness. A GPU's matrix products
+    // may pick another reduction order inside a graph, so there the equivalence tolerance applies.
+    if (name == "cuda") CHECK(e.worst_logit_difference <= kLogitTolerance);
+    else CHECK(e.worst_logit_difference == 0.0f);
+  }
+  if (!any) MESSAGE("no backend in this build can record (the CUDA harness is not built): nothing replayed");
+}
+
+TEST_CASE("recorded decoding: refused, with the reason, where it cannot work") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const std::vector<int> prompt = encode_bytes("In the beginning");
+  CpuBackend cpu(1);
+  Model model(checkpoint, cpu, 64, 64);
+  ch03::PreallocatedKvCache preallocated(cpu, checkpoint.config(), 64);
+  Sampler greedy(256, {});
+  CHECK_THROWS_WITH_AS(generate_cached(model, preallocated, greedy, prompt, 4, 0, {}, {}, {}, DecodeSteps::kRecorded),
+                       doctest::Contains("cannot record operations"), std::invalid_argument);
+  CHECK(preallocated.length() == 0);  // refused before the prefill
+  for (const std::string& name : test::test_backend_names()) {
+    auto backend = test::make_test_backend(name);
+    if (!backend->can_record()) continue;
+    CAPTURE(name);
+    Model recording_model(checkpoint, *backend, 64, 64);
+    // A growing cache reallocates and shows a view of its length: a recording would read stale memory.
+    ch02::GrowingKvCache growing(*backend, checkpoint.config(), ch02::Growth::kConcatenate);
+    CHECK_THROWS_WITH_AS(RecordedDecode(recording_model, growing), doctest::Contains("not replayable"),
+                         std::invalid_argument);
+  }
+}
+
+TEST_CASE("attention: rows past a query's position are never read, whatever they hold, on every backend") {
+  // The preallocated cache shows its whole buffer; the rows not yet written may hold anything (a fresh
+  // cudaMalloc, NaN). Output over the whole buffer must equal the output over the written prefix.
+  std::mt19937 gen(21);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const AttentionShape shape{4, 2, 32};
+  const int kv_dim = shape.n_kv_heads * shape.head_dim, dim = shape.n_heads * shape.head_dim, capacity = 100;
+  for (const std::string& name : test::test_backend_names()) {
+    CAPTURE(name);
+    auto backend = test::make_test_backend(name);
+    Backend& b = *backend;
+    for (int pos : {0, 1, 31, 63, 64, 99}) {
+      for (int n : {1, 3}) {
+        if (pos + n > capacity) continue;
+        CAPTURE(pos); CAPTURE(n);
+        std::vector<float> keys(std::size_t(capacity) * kv_dim, std::numeric_limits<float>::quiet_NaN());
+        std::vector<float> values = keys, q(std::size_t(n) * dim);
+        for (std::size_t i = 0; i < std::size_t(pos + n) * kv_dim; ++i) keys[i] = normal(gen), values[i] = normal(gen);
+        for (float& x : q) x = normal(gen);
+        Buffer d_keys = test::to_backend(b, keys), d_values = test::to_backend(b, values), d_q = test::to_backend(b, q);
+        Buffer whole(b, q.size()), prefix(b, q.size()), scratch(b, b.attention_scratch_floats(shape, capacity));
+        const IntBuffer positions = consecutive_positions(b, pos, n);
+        KvView view{.keys = d_keys.data(), .values = d_values.data(), .rows = capacity, .row_stride = kv_dim};
+        b.attention(whole.data(), d_q.data(), positions.data(), n, view, shape, {scratch.data(), scratch.size()}, nullptr);
+        view.rows = pos + n;
+        b.attention(prefix.data(), d_q.data(), positions.data(), n, view, shape, {scratch.data(), scratch.size()}, nullptr);
+        const std::vector<float> got = test::from_backend(b, whole), want = test::from_backend(b, prefix);
+        bool finite = true;
+        for (float x : got) finite = finite && std::isfinite(x);
+        CHECK(finite);
+        CHECK(got == want);
+      }
+    }
+  }
+}
+
+TEST_CASE("write_rows: each row lands in the slot backend memory names, on every backend") {
+  for (const std::string& name : test::test_backend_names()) {
+    CAPTURE(name);
+    auto backend = test::make_test_backend(name);
+    Backend& b = *backend;
+    for (int width : {1, 33, 257, 600}) {  // across the kernel's 256-thread block
+      CAPTURE(width);
+      const int stride = width + 5, slots_in_buffer = 9;
+      const std::vector<int> slots = {5, 0, 8, 3};
+      std::vector<float> src(slots.size() * width);
+      for (std::size_t i = 0; i < src.size(); ++i) src[i] = float(i);
+      std::vector<float> want(std::size_t(slots_in_buffer) * stride, -1.0f);
+      for (std::size_t i = 0; i < slots.size(); ++i)
+        for (int d = 0; d < width; ++d) want[std::size_t(slots[i]) * stride + d] = src[i * width + d];
+      Buffer rows = test::to_backend(b, std::vector<float>(want.size(), -1.0f)), d_src = test::to_backend(b, src);
+      IntBuffer d_slots(b, slots.size());
+      b.from_host(d_slots.data(), slots.data(), slots.size());
+      b.write_rows(rows.data(), stride, d_slots.data(), d_src.data(), static_cast<int>(slots.size()), width);
+      CHECK(test::from_backend(b, rows) == want);
+    }
+  }
+}
