@@ -5,7 +5,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -120,10 +122,13 @@ Checkpoint::Checkpoint(const std::string& path) : path_(path) {
   if (mapping == MAP_FAILED) fail(path, std::string("cannot map the file: ") + std::strerror(map_error));
   mapping_ = mapping;
   bytes_ = size;
+  point_at_tensors();
+}
 
+void Checkpoint::point_at_tensors() {
   const ModelConfig& c = config_;
   const std::size_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, L = c.n_layers;
-  const float* p = reinterpret_cast<const float*>(static_cast<const char*>(mapping) + kHeaderBytes);
+  const float* p = reinterpret_cast<const float*>(static_cast<const char*>(mapping_) + kHeaderBytes);
   auto take = [&p](std::size_t floats) {
     const float* t = p;
     p += floats;
@@ -142,6 +147,39 @@ Checkpoint::Checkpoint(const std::string& path) : path_(path) {
   tensors_.rms_final = take(dim);
   take(2 * std::size_t(c.seq_len) * (c.head_dim() / 2));  // legacy RoPE tables: recomputed, never read
   tensors_.classifier = c.shared_classifier ? tensors_.token_embedding : take(c.vocab_size * dim);
+}
+
+Checkpoint Checkpoint::synthetic(const ModelConfig& config, std::uint64_t seed) {
+  const int header[7] = {config.dim, config.hidden_dim, config.n_layers, config.n_heads, config.n_kv_heads,
+                         config.shared_classifier ? config.vocab_size : -config.vocab_size, config.seq_len};
+  Checkpoint checkpoint;
+  checkpoint.path_ = "synthetic";
+  checkpoint.config_ = validate_header(header, checkpoint.path_);
+  checkpoint.bytes_ = checkpoint_bytes(checkpoint.config_);
+  void* mapping = ::mmap(nullptr, checkpoint.bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mapping == MAP_FAILED)
+    fail("synthetic", "cannot allocate " + std::to_string(checkpoint.bytes_) + " bytes for the weights; choose a smaller shape");
+  checkpoint.mapping_ = mapping;
+  std::memcpy(mapping, header, sizeof header);
+  checkpoint.point_at_tensors();
+  // Uniform in ±1/sqrt(dim), the scale that keeps x · Wᵀ of unit-size activations at unit size; norms of 1.
+  // A xorshift generator: gigabytes of weights in seconds. The text is gibberish; the timings are real.
+  const float scale = 1.0f / std::sqrt(float(config.dim));
+  float* floats = reinterpret_cast<float*>(static_cast<char*>(mapping) + kHeaderBytes);
+  const std::size_t count = (checkpoint.bytes_ - kHeaderBytes) / sizeof(float);
+  std::uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (std::size_t i = 0; i < count; ++i) {
+    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+    floats[i] = scale * (float(state >> 40) / float(1 << 23) - 1.0f);  // 24 random bits -> [-1, 1)
+  }
+  const ModelConfig& c = checkpoint.config_;
+  const TensorPointers& t = checkpoint.tensors_;
+  auto ones = [](const float* tensor, std::size_t n) { std::fill(const_cast<float*>(tensor), const_cast<float*>(tensor) + n, 1.0f); };
+  ones(t.rms_att, std::size_t(c.n_layers) * c.dim);
+  ones(t.rms_ffn, std::size_t(c.n_layers) * c.dim);
+  ones(t.rms_final, c.dim);
+  ::mprotect(mapping, checkpoint.bytes_, PROT_READ);
+  return checkpoint;
 }
 
 Checkpoint::~Checkpoint() {

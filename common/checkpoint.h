@@ -4,6 +4,7 @@
 // tensors in a fixed order. Loading maps the file read-only and validates it completely before any
 // tensor is touched; writing produces the same format (used by tests and tools).
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -41,6 +42,10 @@ class Checkpoint {
  public:
   // Throws CheckpointError if the file cannot be opened or is not a valid version-0 checkpoint.
   explicit Checkpoint(const std::string& path);
+  // A model of this shape with random weights, generated in memory (path() is "synthetic"): gibberish text,
+  // real timings and bytes, for benchmarks of shapes larger than the shipped model. Throws CheckpointError
+  // for a shape the loader would refuse or memory that cannot be had.
+  static Checkpoint synthetic(const ModelConfig& config, std::uint64_t seed = 1);
   ~Checkpoint();
   Checkpoint(Checkpoint&& other) noexcept;
   Checkpoint& operator=(Checkpoint&&) = delete;
@@ -52,6 +57,8 @@ class Checkpoint {
   std::size_t file_bytes() const { return bytes_; }
 
  private:
+  Checkpoint() = default;
+  void point_at_tensors();  // tensors_ from the mapping, in file order
   std::string path_;
   ModelConfig config_;
   TensorPointers tensors_{};

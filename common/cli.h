@@ -66,6 +66,9 @@ class ArgParser {
 
 struct CommonOptions {
   std::string model;  // empty: the shipped model
+  // DIM,LAYERS,HEADS,KV_HEADS: instead of a checkpoint, random weights of that shape (Checkpoint::synthetic;
+  // only benchmarks offer the flag). Empty: none.
+  std::string synthetic;
   std::string prompt;       // empty: --prompt-file, or the chapter's default
   std::string prompt_file;
   int max_new_tokens = 200;

@@ -11,7 +11,24 @@
 namespace kvs {
 namespace {
 
+// --synthetic DIM,LAYERS,HEADS,KV_HEADS: the hidden size Llama's rule gives (8/3 · dim, rounded up to a
+// multiple of 256), the byte vocabulary, a context of 2^16 positions.
+Checkpoint synthetic_model(const std::string& shape) {
+  const std::vector<int> v = parse_int_list("--synthetic", shape, 1, 1 << 14);
+  if (v.size() != 4) throw UsageError("--synthetic takes four numbers, DIM,LAYERS,HEADS,KV_HEADS (e.g. 2048,16,16,4)");
+  ModelConfig c{.dim = v[0], .hidden_dim = (8 * v[0] / 3 + 255) / 256 * 256, .n_layers = v[1], .n_heads = v[2],
+                .n_kv_heads = v[3], .vocab_size = kByteVocab, .seq_len = 1 << 16, .shared_classifier = true};
+  if (c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0 || (c.dim / c.n_heads) % 2 != 0)
+    throw UsageError("--synthetic " + shape + ": DIM must be a multiple of HEADS with an even quotient, and KV_HEADS must "
+                     "divide HEADS");
+  return Checkpoint::synthetic(c);
+}
+
 Checkpoint load_for_chapters(const CommonOptions& options) {
+  if (!options.synthetic.empty()) {
+    if (!options.model.empty()) throw UsageError("--synthetic replaces --model; give one of them");
+    return synthetic_model(options.synthetic);
+  }
   Checkpoint checkpoint(resolve_model_path(options));
   if (checkpoint.config().vocab_size != kByteVocab)
     throw std::runtime_error(checkpoint.path() + " has a vocabulary of " +

@@ -1,6 +1,7 @@
 // Chapters 01-03 measured side by side: for each prompt length, time to first token and median decode
-// time per token for naive recompute, both growing caches (chapter 02) and the preallocated cache.
-// Greedy, warm-up excluded, threads stated. A benchmark executable, never a timed test.
+// time per token for naive recompute, both growing caches (chapter 02) and the preallocated cache - and,
+// on a backend that can record (CUDA), the preallocated cache with each decode step replayed as one CUDA
+// graph launch. Greedy, warm-up excluded, threads stated. A benchmark executable, never a timed test.
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
@@ -39,7 +40,9 @@ int main(int argc, char** argv) {
       "03_benchmark",
       "Sweep over prompt lengths: time to first token (TTFT) and median per-token decode time for naive\n"
       "recompute (chapter 01), the concatenate and chunked growing caches (chapter 02) and the preallocated\n"
-      "cache (chapter 03), greedy, on the same prompt (the start of the validation text). Each method runs once\n"
+      "cache (chapter 03), greedy, on the same prompt (the start of the validation text); with --backend cuda also\n"
+      "preallocated+graph: the decode step recorded once as a CUDA graph and replayed, one launch per token\n"
+      "(chapter 07). Each method runs once\n"
       "untimed first (warm-up), then --repeats times; TTFT and decode times are medians over the runs.\nA prompt length that leaves no room for the new tokens within the model's\n"
       "context is shortened to context - new tokens. Prints a table with speedups relative to naive.\n"
       "CSV (--csv): method, prompt_tokens, ttft_ms, decode_ms_median, decode_steps, cache_bytes, threads (0 on a GPU).\n"
@@ -48,9 +51,11 @@ int main(int argc, char** argv) {
       "the formula's bytes for the positions held.\n"
       "--breakdown: instead of the sweep, where a decode step's time goes (preallocated cache): per length, the\n"
       "mean step split into weight matrix products, attention and everything else, the bytes it reads and the\n"
-      "rate that makes against this machine's read bandwidth for as many bytes (measured by the benchmark).\n"
+      "rate that makes against this machine's read bandwidth for as many bytes (measured by the benchmark; on a GPU\n"
+      "the device's copy bandwidth).\n"
       "  CSV (--csv): prompt_tokens, step_ms_mean, step_ms_p50, step_ms_p99, matmul_ms, attention_ms, other_ms,\n"
-      "  weight_bytes, kv_bytes, achieved_gbs, limit_gbs, threads.");
+      "  weight_bytes, kv_bytes, achieved_gbs, limit_gbs, threads, operations (backend operations per step),\n"
+      "  graph_ms_p50 (the step replayed as a CUDA graph; 0 where the backend cannot record).");
   kvs::add_common_flags(parser, options, "data/kjv/valid.txt, the held-out text", kvs::CommonFlags::kGreedy);
   parser.add_string("--lengths", "LIST", "prompt lengths, comma-separated (default 32,128,512,1024,2048)",
                     &lengths_text);
@@ -58,6 +63,10 @@ int main(int argc, char** argv) {
                  &naive_tokens, 2, 1 << 20);
   parser.add_int("--repeats", "timed runs per method and length; medians are reported (default 3)", &repeats, 1, 1000);
   parser.add_string("--memory-csv", "PATH", "write the cache bytes measured at the end of each run", &memory_csv);
+  parser.add_string("--synthetic", "DIM,LAYERS,HEADS,KV_HEADS",
+                    "instead of the shipped model, random weights of this shape generated in memory (e.g.\n"
+                    "2048,16,16,4: 3 GB): gibberish text, real timings and bytes - a model too large for the caches",
+                    &options.synthetic);
   parser.add_switch("--breakdown", "where a decode step's time goes, against the read bandwidth (see above)", &breakdown);
   parser.add_check([&] {
     for (const char* flag : {"--naive-tokens", "--repeats", "--memory-csv"})
@@ -103,7 +112,7 @@ int main(int argc, char** argv) {
       std::cerr << rt.describe() << "\n";
       kvs::CsvWriter breakdown_csv({"--csv", options.csv},
                                    "prompt_tokens,step_ms_mean,step_ms_p50,step_ms_p99,matmul_ms,attention_ms,other_ms,"
-                                   "weight_bytes,kv_bytes,achieved_gbs,limit_gbs,threads", inputs);
+                                   "weight_bytes,kv_bytes,achieved_gbs,limit_gbs,threads,operations,graph_ms_p50", inputs);
       kvs::ch03::decode_breakdown(rt, all_tokens, lengths, options.max_new_tokens, breakdown_csv);
       if (breakdown_csv.enabled()) std::cerr << "wrote " << breakdown_csv.path() << "\n";
       return 0;
@@ -111,21 +120,25 @@ int main(int argc, char** argv) {
     std::cerr << rt.describe() << "\n" << options.max_new_tokens << " new tokens per cached run, " << naive_tokens
               << " per naive run; machine: " << std::thread::hardware_concurrency() << " cores\n\n";
 
+    std::vector<std::string> methods = {"naive", "concatenate", "chunked", "preallocated"};
+    if (rt.backend.can_record()) methods.push_back("preallocated+graph");
+    const std::size_t per_length = methods.size();
     std::vector<Row> rows;
     for (int length : lengths) {
       const int prompt_len = std::min(length, c.seq_len - options.max_new_tokens);
       if (prompt_len < 1) throw std::runtime_error("--max-new-tokens leaves no room for a prompt in the context");
       const std::span<const int> prompt(all_tokens.data(), prompt_len);
       std::vector<int> reference;  // naive's tokens: every cached method must reproduce them
-      for (const std::string method : {"naive", "concatenate", "chunked", "preallocated"}) {
+      for (const std::string& method : methods) {
         const int new_tokens = method == "naive" ? std::min(naive_tokens, options.max_new_tokens) : options.max_new_tokens;
         std::int64_t cache_bytes = 0, resident_bytes = 0;  // allocated, and physically in memory at the end
         auto run = [&](bool record) {
           kvs::Sampler sampler = rt.new_sampler();
           if (method == "naive") return kvs::generate_naive(rt.model, sampler, prompt, new_tokens);
-          if (method == "preallocated") {
+          if (method.starts_with("preallocated")) {
             kvs::ch03::PreallocatedKvCache cache(rt.backend, c, prompt_len + new_tokens);
-            auto g = kvs::generate_cached(rt.model, cache, sampler, prompt, new_tokens);
+            const auto steps = method == "preallocated+graph" ? kvs::DecodeSteps::kRecorded : kvs::DecodeSteps::kForward;
+            auto g = kvs::generate_cached(rt.model, cache, sampler, prompt, new_tokens, 0, {}, {}, {}, steps);
             if (record) cache_bytes = cache.allocated_bytes(), resident_bytes = cache.resident_bytes();
             return g;
           }
@@ -161,19 +174,22 @@ int main(int argc, char** argv) {
 
     std::fprintf(stderr, "\ndecode ms/token (speedup vs naive) and time to first token, %s\n",
                  rt.backend.describe().c_str());
-    std::fprintf(stderr, "%7s %10s %20s %20s %20s %12s %12s\n", "prompt", "naive", "concatenate", "chunked",
-                 "preallocated", "prealloc vs", "TTFT ms");
+    const bool graph = per_length == 5;
+    std::fprintf(stderr, "%7s %10s %20s %20s %20s %12s %12s%s\n", "prompt", "naive", "concatenate", "chunked",
+                 "preallocated", "prealloc vs", "TTFT ms", graph ? "  preallocated+graph" : "");
     std::fprintf(stderr, "%7s %10s %20s %20s %20s %12s %12s\n", "", "", "", "", "", "concatenate", "(prealloc)");
-    for (std::size_t i = 0; i + 3 < rows.size(); i += 4) {
+    for (std::size_t i = 0; i + per_length - 1 < rows.size(); i += per_length) {
       const Row &naive = rows[i], &concat = rows[i + 1], &chunked = rows[i + 2], &pre = rows[i + 3];
       auto cell = [&](const Row& r) {
         char out[32];
         std::snprintf(out, sizeof out, "%.4f (%.0fx)", r.decode_ms, naive.decode_ms / r.decode_ms);
         return std::string(out);
       };
-      std::fprintf(stderr, "%7d %10.3f %20s %20s %20s %11.2fx %12.2f\n", naive.prompt_tokens, naive.decode_ms,
+      std::fprintf(stderr, "%7d %10.3f %20s %20s %20s %11.2fx %12.2f", naive.prompt_tokens, naive.decode_ms,
                    cell(concat).c_str(), cell(chunked).c_str(), cell(pre).c_str(), concat.decode_ms / pre.decode_ms,
                    pre.ttft_ms);
+      if (graph) std::fprintf(stderr, "  %s, %.2fx prealloc", cell(rows[i + 4]).c_str(), pre.decode_ms / rows[i + 4].decode_ms);
+      std::fprintf(stderr, "\n");
     }
     if (csv.enabled()) std::cerr << "wrote " << csv.path() << "\n";
     if (!memory_csv.empty()) std::cerr << "wrote " << memory_csv << "\n";

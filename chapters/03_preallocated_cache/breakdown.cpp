@@ -44,6 +44,23 @@ double measure_read_gbs(std::int64_t bytes, int threads) {
   return best;
 }
 
+double measure_copy_gbs(Backend& backend, std::int64_t bytes) {
+  const std::size_t n = std::size_t(std::max<std::int64_t>(bytes / 4, 1024));
+  Buffer from(backend, n), to(backend, n);
+  backend.from_host(from.data(), std::vector<float>(n, 1.0f).data(), n);
+  const int copies = static_cast<int>(std::clamp<std::int64_t>(std::int64_t(2'000'000'000) / (std::int64_t(n) * 4), 10, 100000));
+  double best = 0;
+  for (int trial = 0; trial < 7; ++trial) {  // the first is the warm-up
+    backend.synchronize();
+    const Stopwatch timer;
+    for (int i = 0; i < copies; ++i) backend.copy(to.data(), from.data(), n);
+    backend.synchronize();
+    const double seconds = timer.milliseconds() / 1000;
+    if (trial > 0) best = std::max(best, 2.0 * double(n) * 4 * copies / seconds / 1e9);  // read + write
+  }
+  return best;
+}
+
 void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vector<int>& lengths, int new_tokens,
                       CsvWriter& csv) {
   ProfilingBackend profiled(rt.backend);
@@ -51,39 +68,50 @@ void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vecto
               *std::max_element(lengths.begin(), lengths.end()) + new_tokens);
   const ModelConfig& c = model.config();
   const int threads = std::max(1, rt.cpu_threads());
-  std::fprintf(stderr, "decode step breakdown, %s: mean ms per step over %d steps (p50 and p99 of the step), split by\n"
-                       "operation; bytes a step reads (weights + the K/V rows it attends to); the rate that makes, and this\n"
-                       "machine's read bandwidth for a working set of that size on %d thread%s (measured now)\n\n",
-               rt.backend.describe().c_str(), new_tokens - 1, threads, threads > 1 ? "s" : "");
-  std::fprintf(stderr, "  %7s %8s %8s %8s %8s %9s %8s %10s %9s %9s %8s\n", "context", "step", "p50", "p99", "matmul",
-               "attention", "other", "MB read", "GB/s", "limit", "of limit");
-  {  // warm-up, untimed: the first length would otherwise pay for cold caches and first-touch pages
-    const int prompt_len = std::min(lengths.front(), c.seq_len - new_tokens);
-    PreallocatedKvCache cache(profiled, c, prompt_len + new_tokens);
+  const bool host = rt.backend.host_memory(), graph = rt.backend.can_record();
+  std::fprintf(stderr, "decode step breakdown, %s: per step over %d steps, the mean, p50 and p99 of a plain run;\n"
+                       "the split by operation and the operations per step from a second run that waits for each one;\n"
+                       "the bytes a step reads (weights + the K/V rows it attends to), the rate that makes, and\n%s\n",
+               rt.backend.describe().c_str(), new_tokens - 1,
+               host ? "this machine's read bandwidth for a working set of that size (measured now)"
+                    : "the device's copy bandwidth (read + write) for a working set of that size (measured now)");
+  if (graph) std::fprintf(stderr, "graph p50: the step replayed as one recorded launch (RecordedDecode)\n");
+  std::fprintf(stderr, "\n  %7s %8s %8s %8s %8s %9s %8s %5s %10s %9s %9s %8s%s\n", "context", "step", "p50", "p99", "matmul",
+               "attention", "other", "ops", "MB read", "GB/s", "limit", "of limit", graph ? "  graph p50" : "");
+  auto run = [&](Model& m, Backend& b, int prompt_len, DecodeSteps steps, const OnLogits& on_logits = {}) {
+    PreallocatedKvCache cache(b, c, prompt_len + new_tokens);
     Sampler greedy(c.vocab_size, {});
-    generate_cached(model, cache, greedy, tokens.first(prompt_len), new_tokens);
-  }
+    return generate_cached(m, cache, greedy, tokens.first(prompt_len), new_tokens, 0, {}, on_logits, {}, steps);
+  };
+  // Warm-up, untimed: the first length would otherwise pay for cold caches and first-touch pages.
+  run(rt.model, rt.backend, std::min(lengths.front(), c.seq_len - new_tokens), DecodeSteps::kForward);
   for (int length : lengths) {
     const int prompt_len = std::min(length, c.seq_len - new_tokens);
-    PreallocatedKvCache cache(profiled, c, prompt_len + new_tokens);
-    Sampler greedy(c.vocab_size, {});
+    const Generation g = run(rt.model, rt.backend, prompt_len, DecodeSteps::kForward);
     // The prefill is not a decode step: start counting after it.
-    const Generation g = generate_cached(model, cache, greedy, tokens.first(prompt_len), new_tokens, 0, {},
-                                         [&](int step, std::span<const float>) { if (step == 0) profiled.reset(); });
+    run(model, profiled, prompt_len, DecodeSteps::kForward, [&](int step, std::span<const float>) {
+      if (step == 0) profiled.reset();
+    });
     const int steps = new_tokens - 1;
     const double matmul = profiled.milliseconds(OpKind::kMatmul) / steps,
                  attention = profiled.milliseconds(OpKind::kAttention) / steps,
                  other = profiled.milliseconds(OpKind::kOther) / steps;
+    std::int64_t operations = 0;
+    for (OpKind kind : {OpKind::kMatmul, OpKind::kAttention, OpKind::kOther}) operations += profiled.operations(kind);
     double mean = 0;
     for (std::size_t s = 1; s < g.step_ms.size(); ++s) mean += g.step_ms[s] / steps;
     // The average step attends to prompt_len + steps/2 positions.
     const StepBytes bytes = decode_step_bytes(c, prompt_len + steps / 2);
-    const double achieved = bytes.total() / (mean / 1000) / 1e9, limit = measure_read_gbs(bytes.total(), threads);
-    std::fprintf(stderr, "  %7d %8.4f %8.4f %8.4f %8.4f %9.4f %8.4f %10.2f %9.1f %9.1f %7.0f%%\n", prompt_len, mean,
-                 g.decode_percentile_ms(50), g.decode_percentile_ms(99), matmul, attention, other, bytes.total() / 1e6,
-                 achieved, limit, 100 * achieved / limit);
+    const double achieved = bytes.total() / (mean / 1000) / 1e9;
+    const double limit = host ? measure_read_gbs(bytes.total(), threads) : measure_copy_gbs(rt.backend, bytes.total());
+    const double graph_p50 = graph ? run(rt.model, rt.backend, prompt_len, DecodeSteps::kRecorded).decode_percentile_ms(50) : 0;
+    std::fprintf(stderr, "  %7d %8.4f %8.4f %8.4f %8.4f %9.4f %8.4f %5lld %10.2f %9.1f %9.1f %7.0f%%", prompt_len, mean,
+                 g.decode_percentile_ms(50), g.decode_percentile_ms(99), matmul, attention, other,
+                 static_cast<long long>(operations / steps), bytes.total() / 1e6, achieved, limit, 100 * achieved / limit);
+    if (graph) std::fprintf(stderr, "  %9.4f", graph_p50);
+    std::fprintf(stderr, "\n");
     csv.row(prompt_len, mean, g.decode_percentile_ms(50), g.decode_percentile_ms(99), matmul, attention, other,
-            bytes.weights, bytes.kv, achieved, limit, threads);
+            bytes.weights, bytes.kv, achieved, limit, threads, operations / steps, graph_p50);
     csv.commit();
   }
 }

@@ -25,6 +25,10 @@ StepBytes decode_step_bytes(const ModelConfig& c, int positions);
 // could reach.
 double measure_read_gbs(std::int64_t bytes, int threads);
 
+// Bandwidth in GB/s of copying `bytes` within the backend's memory, counting the read and the write, best
+// of several timed rounds after a warm-up: the limit on a device whose memory the host cannot read.
+double measure_copy_gbs(Backend& backend, std::int64_t bytes);
+
 // The breakdown for each prompt length in `lengths` (prefixes of `tokens`), `new_tokens` greedy tokens
 // through a preallocated cache; a table on stderr, one CSV row per length.
 void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vector<int>& lengths, int new_tokens,
