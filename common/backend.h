@@ -61,7 +61,6 @@ class Backend {
   // Scratch floats attention needs for views of up to max_rows rows (allocated once by the model).
   virtual std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows) const = 0;
 
-  // ---- operations ----
   // ---- recording (see Recording above) ----
   virtual bool can_record() const { return false; }
   // Returns the recording's number, which replay() takes: replaying anything but the last recording is
@@ -70,6 +69,7 @@ class Backend {
   virtual void end_recording() { throw std::logic_error(std::string(name()) + " cannot record operations"); }
   virtual void replay(int /*recording*/) { throw std::logic_error(std::string(name()) + " cannot record operations"); }
 
+  // ---- operations ----
   // Integer arguments in backend memory: tokens (n) token ids, positions (n) absolute positions.
   // x (n, dim) = table[tokens[i]] rows
   virtual void embed(float* x, const float* table, const int* tokens, int n, int dim) = 0;
@@ -83,9 +83,9 @@ class Backend {
   virtual void rope(float* x, const float* table, int n, int heads, int head_dim) = 0;
   // out (n, n_heads·head_dim) = softmax(q kᵀ / sqrt(head_dim), masked by key_visible) v for queries
   // q (n, n_heads·head_dim) at positions[0 .. n-1] (consecutive: positions[i] = positions[0] + i), over the
-  // rows of `kv`. If `weights` is not
-  // null it receives the softmax weights themselves, (n, n_heads, kv.rows), 0 on rows a query may not see:
-  // the one attention implementation, observed (chapters 04-05), not a second copy of it.
+  // rows of `kv`. If `weights` is not null it receives the softmax weights themselves, (n, n_heads, kv.rows),
+  // 0 on rows a query may not see: the one attention implementation, observed (chapters 04-05), not a
+  // second copy of it.
   virtual void attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
                          const AttentionShape& shape, std::span<float> scratch, float* weights) = 0;
   // rows[slots[i]] (width floats, rows row_stride floats apart) = src[i] (n, width): a cache write whose
