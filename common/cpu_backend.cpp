@@ -167,10 +167,9 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
     float* scores_mem = scratch.data() + h * head_stride;
     for (int q0 = 0; q0 < n; q0 += kQueryBlock) {
       const int nq = std::min(kQueryBlock, n - q0);
-      // Rows of a contiguous view hold increasing positions: rows past the block's last query position
-      // are future for every query of the block, so they are not even multiplied.
-      int rows = kv.rows;
-      if (!kv.row_positions) rows = std::clamp(pos + q0 + nq - kv.first_position, 0, kv.rows);
+      // Rows past the block's last query position are future for every query of the block: not even
+      // multiplied.
+      const int rows = kv.rows_to_visit(pos + q0 + nq - 1);
       Eigen::Map<const RowMajor, 0, Strided> K(kv.keys + kv_head * head_dim, rows, head_dim, Strided(kv.row_stride));
       Eigen::Map<const RowMajor, 0, Strided> V(kv.values + kv_head * head_dim, rows, head_dim, Strided(kv.row_stride));
       Eigen::Map<const RowMajor, 0, Strided> Q(q + std::size_t(q0) * dim + h * head_dim, nq, head_dim, Strided(dim));

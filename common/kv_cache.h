@@ -69,6 +69,15 @@ struct KvView {
   KVS_HOST_DEVICE int position_of(int row) const {
     return row_positions ? row_positions[row] : first_position + row;
   }
+  // How many leading rows a query at `query_pos` (or any earlier one) may see: rows of a view without
+  // row_positions hold increasing positions, so the rows past the query's own are its future and need not
+  // be visited at all (a preallocated cache shows its whole buffer; its unwritten rows are never read);
+  // with row_positions, every row. The rows within still go through key_visible.
+  KVS_HOST_DEVICE int rows_to_visit(int query_pos) const {
+    if (row_positions) return rows;
+    const int prefix = query_pos - first_position + 1;
+    return prefix < 0 ? 0 : prefix < rows ? prefix : rows;
+  }
 };
 
 // One cached position of one layer: its key and its value, kv_dim floats each (n_kv_heads heads of

@@ -2,6 +2,8 @@
 // The backends the backend-generic tests run on: the CPU always; the CUDA kernels on the CPU through the
 // CUDA harness, where it is built; the CUDA backend on a GPU, where the build has CUDA and a device is
 // present (elsewhere the "cuda: GPU tests" CTest entry reports them skipped).
+#include <doctest/doctest.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -47,6 +49,16 @@ inline std::unique_ptr<Backend> make_test_backend(const std::string& name) {
 #endif
   if (name == "cuda") return make_backend("cuda", 0);
   return std::make_unique<CpuBackend>(test_threads());
+}
+
+// Runs check(backend) on a fresh backend of each name in `names`, the name captured in any failure.
+template <typename Check>
+void for_each_backend(const std::vector<std::string>& names, Check&& check) {
+  for (const std::string& name : names) {
+    CAPTURE(name);
+    const std::unique_ptr<Backend> backend = make_test_backend(name);
+    check(*backend);
+  }
 }
 
 // Host data in a backend's memory, and back.

@@ -59,10 +59,7 @@ std::vector<std::string> kernel_backends() {
 TEST_CASE("cuda kernels: embedding, RMSNorm, SwiGLU and add equal the CPU backend across block boundaries") {
   CpuBackend cpu(1);
   std::mt19937 gen(7);
-  for (const std::string& name : kernel_backends()) {
-    CAPTURE(name);
-    auto backend = test::make_test_backend(name);
-    Backend& b = *backend;
+  test::for_each_backend(kernel_backends(), [&](Backend& b) {
     for (int dim : {1, 31, 32, 33, 255, 256, 257, 1000}) {
       CAPTURE(dim);
       const int vocab = 11, n = 3;
@@ -97,16 +94,13 @@ TEST_CASE("cuda kernels: embedding, RMSNorm, SwiGLU and add equal the CPU backen
       b.add(d_sum.data(), d_up.data(), count);
       CHECK(worst_excess(test::from_backend(b, d_sum), sum, 0.0f) <= 0);
     }
-  }
+  });
 }
 
 TEST_CASE("cuda kernels: matrix products through the BLAS interface equal the CPU backend") {
   CpuBackend cpu(1);
   std::mt19937 gen(8);
-  for (const std::string& name : kernel_backends()) {
-    CAPTURE(name);
-    auto backend = test::make_test_backend(name);
-    Backend& b = *backend;
+  test::for_each_backend(kernel_backends(), [&](Backend& b) {
     struct Shape {
       int n, d_in, d_out;
     };
@@ -119,16 +113,13 @@ TEST_CASE("cuda kernels: matrix products through the BLAS interface equal the CP
       b.matmul(d_out.data(), d_x.data(), d_w.data(), s.n, s.d_in, s.d_out);
       CHECK(worst_excess(test::from_backend(b, d_out), want, 1e-4f) <= 0);
     }
-  }
+  });
 }
 
 TEST_CASE("cuda kernels: RoPE tables and rotations equal the CPU backend, positions past 2^16 included") {
   CpuBackend cpu(1);
   std::mt19937 gen(9);
-  for (const std::string& name : kernel_backends()) {
-    CAPTURE(name);
-    auto backend = test::make_test_backend(name);
-    Backend& b = *backend;
+  test::for_each_backend(kernel_backends(), [&](Backend& b) {
     for (int head_dim : {2, 32, 96})
       for (int n : {1, 70})
         for (int pos : {0, 2047, 100000}) {
@@ -146,15 +137,12 @@ TEST_CASE("cuda kernels: RoPE tables and rotations equal the CPU backend, positi
           b.rope(d_x.data(), d_cpu_table.data(), n, heads, head_dim);
           CHECK(worst_excess(test::from_backend(b, d_x), x, 1e-6f) <= 0);
         }
-  }
+  });
 }
 
 TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind of view") {
   std::mt19937 gen(10);
-  for (const std::string& name : kernel_backends()) {
-    CAPTURE(name);
-    auto backend = test::make_test_backend(name);
-    Backend& b = *backend;
+  test::for_each_backend(kernel_backends(), [&](Backend& b) {
     // Runs the backend's attention over `positions` rows (negative: an empty row holding NaN) for queries
     // at pos .. pos + n - 1 and compares with the reference.
     // rotate_at_read: keys and queries unrotated, attention rotates them (chapter 04's within-window RoPE).
@@ -221,7 +209,7 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
     check(mha, consecutive(33, 0), false, 0, Window{.size = 40, .sinks = 0}, 20, 13, true);
     // Nothing visible at all (a deliberately broken cache): the output is 0, not NaN.
     check(mha, {-1, -1, 500}, true, 0, {}, 10, 1);
-  }
+  });
 }
 
 TEST_CASE("backends: a copy between overlapping ranges is refused on every backend") {

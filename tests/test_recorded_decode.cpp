@@ -83,10 +83,7 @@ TEST_CASE("attention: rows past a query's position are never read, whatever they
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const AttentionShape shape{4, 2, 32};
   const int kv_dim = shape.n_kv_heads * shape.head_dim, dim = shape.n_heads * shape.head_dim, capacity = 100;
-  for (const std::string& name : test::test_backend_names()) {
-    CAPTURE(name);
-    auto backend = test::make_test_backend(name);
-    Backend& b = *backend;
+  test::for_each_backend(test::test_backend_names(), [&](Backend& b) {
     for (int pos : {0, 1, 31, 63, 64, 99}) {
       for (int n : {1, 3}) {
         if (pos + n > capacity) continue;
@@ -109,14 +106,11 @@ TEST_CASE("attention: rows past a query's position are never read, whatever they
         CHECK(got == want);
       }
     }
-  }
+  });
 }
 
 TEST_CASE("write_rows: each row lands in the slot backend memory names, on every backend") {
-  for (const std::string& name : test::test_backend_names()) {
-    CAPTURE(name);
-    auto backend = test::make_test_backend(name);
-    Backend& b = *backend;
+  test::for_each_backend(test::test_backend_names(), [&](Backend& b) {
     for (int width : {1, 33, 257, 600}) {  // across the kernel's 256-thread block
       CAPTURE(width);
       const int stride = width + 5, slots_in_buffer = 9;
@@ -132,5 +126,5 @@ TEST_CASE("write_rows: each row lands in the slot backend memory names, on every
       b.write_rows(rows.data(), stride, d_slots.data(), d_src.data(), static_cast<int>(slots.size()), width);
       CHECK(test::from_backend(b, rows) == want);
     }
-  }
+  });
 }

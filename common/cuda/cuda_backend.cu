@@ -104,9 +104,8 @@ __global__ void rope_kernel(float* x, const float* table, int n, int heads, int 
 // Attention of one query head over the view, with an online softmax (no score buffer: the running maximum,
 // sum and weighted values are rescaled as larger scores arrive), so any number of rows needs no scratch.
 //   out (n, n_heads · head_dim), q (n, n_heads · head_dim) at positions[0 .. n-1] (device memory).
-// A view without row_positions holds increasing positions: a query visits only the rows up to its own
-// position (the rest are its future), so a view of a whole preallocated buffer costs what its written
-// prefix costs - and stays the same view at every step (a recorded decode step relies on that).
+// A query visits only KvView::rows_to_visit rows, so a view of a whole preallocated buffer costs what its
+// written prefix costs - and stays the same view at every step (a recorded decode step relies on that).
 // Grid (n_heads, n), block warps · 32 (warps <= kMaxAttentionWarps, chosen by the caller): block (h, i)
 // computes query i's head h. Warp w visits rows w, w + warps, ...; a row that key_visible hides is skipped whole (its keys and values are
 // never read, so an empty slot's bytes, NaN included, cannot leak in). Within a row, lane l holds the
@@ -126,8 +125,7 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
   const int h = blockIdx.x, i = blockIdx.y;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   const int query_pos = positions[i], kv_offset = (h / group) * head_dim, dim = n_heads * head_dim;
-  const int prefix = query_pos - kv.first_position + 1;  // rows up to the query's own position
-  const int row_end = kv.row_positions ? kv.rows : prefix < 0 ? 0 : prefix < kv.rows ? prefix : kv.rows;
+  const int row_end = kv.rows_to_visit(query_pos);  // the rows past the query's own position are its future
   const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));
   const float minus_inf = -INFINITY;
 
