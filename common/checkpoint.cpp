@@ -174,7 +174,8 @@ Checkpoint Checkpoint::synthetic(const ModelConfig& config, std::uint64_t seed) 
   }
   const ModelConfig& c = checkpoint.config_;
   const TensorPointers& t = checkpoint.tensors_;
-  auto ones = [](const float* tensor, std::size_t n) { std::fill(const_cast<float*>(tensor), const_cast<float*>(tensor) + n, 1.0f); };
+  // The norms' weights: 1. (tensors_ points into the mapping read-only; `floats` is the same memory, writable.)
+  auto ones = [&](const float* tensor, std::size_t n) { std::fill_n(floats + (tensor - floats), n, 1.0f); };
   ones(t.rms_att, std::size_t(c.n_layers) * c.dim);
   ones(t.rms_ffn, std::size_t(c.n_layers) * c.dim);
   ones(t.rms_final, c.dim);
