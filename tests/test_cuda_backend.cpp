@@ -209,6 +209,21 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
     check(mha, consecutive(33, 0), false, 0, Window{.size = 40, .sinks = 0}, 20, 13, true);
     // Nothing visible at all (a deliberately broken cache): the output is 0, not NaN.
     check(mha, {-1, -1, 500}, true, 0, {}, 10, 1);
+    // Decoding over a long view runs split into chunks of rows (256 rows or more each) and merged: a whole
+    // preallocated buffer whose rows past the query are unwritten (NaN), whole chunks past the query's row;
+    // a window with sinks that hides whole chunks (a chunk with nothing visible must add nothing); a ring
+    // of 600 slots, out of order, with empty slots, stored rotated and rotated at read time.
+    std::vector<int> buffer = consecutive(1100, 0);
+    std::fill(buffer.begin() + 701, buffer.end(), -1);
+    check(gqa, buffer, false, 0, {}, 700, 1);
+    check(mha, consecutive(1100, 0), false, 0, Window{.size = 300, .sinks = 4}, 1099, 1);
+    std::vector<int> long_ring(600);
+    const int query = 1000;
+    for (int slot = 0; slot < 600; ++slot) long_ring[slot] = slot < 4 ? slot : -1;
+    for (int position = query - 595; position <= query; ++position) long_ring[4 + (position - 4) % 596] = position;
+    for (int slot : {10, 11, 300, 599}) long_ring[slot] = -1;
+    check(mqa, long_ring, true, 0, Window{.size = 600, .sinks = 4}, query, 1);
+    check(gqa, long_ring, true, 0, Window{.size = 600, .sinks = 4}, query, 1, true);
   });
 }
 

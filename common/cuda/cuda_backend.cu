@@ -101,66 +101,78 @@ __global__ void rope_kernel(float* x, const float* table, int n, int heads, int 
   rope_rotate(x + index * 2, table + (i * pairs + pair) * 2);
 }
 
-// Attention of one query head over the view, with an online softmax (no score buffer: the running maximum,
-// sum and weighted values are rescaled as larger scores arrive), so any number of rows needs no scratch.
-//   out (n, n_heads · head_dim), q (n, n_heads · head_dim) at positions[0 .. n-1] (device memory).
-// A query visits only KvView::rows_to_visit rows, so a view of a whole preallocated buffer costs what its
-// written prefix costs - and stays the same view at every step (a recorded decode step relies on that).
-// Grid (n_heads, n), block warps · 32 (warps <= kMaxAttentionWarps, chosen by the caller): block (h, i)
-// computes query i's head h. Warp w visits rows w, w + warps, ...; a row that key_visible hides is skipped whole (its keys and values are
-// never read, so an empty slot's bytes, NaN included, cannot leak in). Within a row, lane l holds the
-// elements l, l + 32, ... of q, k, v (head_dim <= kMaxHeadDim). At the end the warps' partial results are
-// merged through shared memory. With `weights` (n, n_heads, rows) the warps then visit their rows again
-// and write each row's softmax weight (0 for a hidden row): an observer's second pass, off by default.
+// Attention of one query head over the view, with an online softmax: no score buffer; the running
+// maximum, sum and weighted values are rescaled as larger scores arrive, so any number of rows needs no
+// scratch. A query visits only KvView::rows_to_visit rows, so a view of a whole preallocated buffer costs
+// what its written prefix costs - and stays the same view at every step (a recorded decode step relies on
+// that). A row that key_visible hides is skipped whole (its keys and values are never read, so an empty
+// slot's bytes, NaN included, cannot leak in). Within a row, lane l holds the elements l, l + 32, ... of
+// q, k, v (head_dim <= kMaxHeadDim). Two kernels use the pieces below:
+//   attention_kernel: one block per (query, head) visits all the query's rows (prefill; short decodes);
+//   attention_split_kernel + attention_merge_kernel: decoding over a long view ("flash-decoding"): one
+//     query has only n_heads blocks' worth of work, too few to keep a GPU's memory busy (16 blocks on 132
+//     SMs read K/V at 37 GB/s at 16k positions), so the rows are split into chunks, one block per (head,
+//     chunk), and a second kernel merges the chunks' partial softmaxes.
 constexpr int kMaxAttentionWarps = 16;
 constexpr int kMaxHeadDim = 256;
 constexpr int kPerLane = kMaxHeadDim / kWarp;
 
-__global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
-    attention_kernel(float* out, float* weights, const float* q, const int* positions, KvView kv, int n_heads,
-                     int group, int head_dim) {
-  __shared__ float warp_max[kMaxAttentionWarps];
-  __shared__ float warp_total[kMaxAttentionWarps];
-  __shared__ float warp_values[kMaxAttentionWarps][kMaxHeadDim];
-  const int h = blockIdx.x, i = blockIdx.y;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
-  const int query_pos = positions[i], kv_offset = (h / group) * head_dim, dim = n_heads * head_dim;
-  const int row_end = kv.rows_to_visit(query_pos);  // the rows past the query's own position are its future
-  const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));
-  const float minus_inf = -INFINITY;
-
-  // Read-time rotation (kv.read_rope, chapter 04): the query and each key are rotated as they are loaded,
-  // by their rotary positions (kv_cache.h), with the table's [cos, sin] of each element's pair.
-  const float* table = kv.read_rope;  // (window.size, pairs, 2) or null: q and keys arrive rotated
+// Lane `lane`'s elements of a query head (0 past head_dim), rotated by the query's rotary position when
+// the view rotates at read time (kv.read_rope, chapter 04; the table holds [cos, sin] per pair).
+__device__ void load_query(float (&query)[kPerLane], const float* query_row, const KvView& kv, int query_pos,
+                           int head_dim, int lane) {
   const int pairs = head_dim / 2;
-  const float* query_row = q + std::size_t(i) * dim + h * head_dim;
-  const float* query_cos_sin = table ? table + std::size_t(rotary_query_position(query_pos, kv.window)) * pairs * 2 : nullptr;
-  float query[kPerLane], values[kPerLane];
+  const float* cos_sin = kv.read_rope ? kv.read_rope + std::size_t(rotary_query_position(query_pos, kv.window)) * pairs * 2 : nullptr;
   for (int j = 0; j < kPerLane; ++j) {
     const int d = lane + j * kWarp;
     query[j] = d >= head_dim ? 0.0f
-               : table       ? rope_rotated_element(query_row, d, query_cos_sin + (d / 2) * 2)
+               : cos_sin     ? rope_rotated_element(query_row, d, cos_sin + (d / 2) * 2)
                              : query_row[d];
-    values[j] = 0.0f;
   }
-  // The scaled score of visible row r (the same in every lane of the warp).
-  auto score_of = [&](int r, int key_pos) {
-    const float* key = kv.keys + std::size_t(r) * kv.row_stride + kv_offset;
-    const float* key_cos_sin =
-        table ? table + std::size_t(rotary_key_position(query_pos, key_pos, kv.window)) * pairs * 2 : nullptr;
-    float dot = 0.0f;
-    for (int j = 0; j < kPerLane; ++j) {
-      const int d = lane + j * kWarp;
-      if (d < head_dim) dot += query[j] * (table ? rope_rotated_element(key, d, key_cos_sin + (d / 2) * 2) : key[d]);
-    }
-    return warp_sum(dot) * scale;
-  };
-  float running_max = minus_inf, total = 0.0f;
-  for (int r = warp; r < row_end; r += warps) {
+}
+
+// The scaled score q·k / sqrt(head_dim) of view row r (key at key_pos), the same in every lane of the warp.
+__device__ float score_of(const float (&query)[kPerLane], const KvView& kv, int r, int key_pos, int query_pos,
+                          int kv_offset, int head_dim, int lane) {
+  const float* key = kv.keys + std::size_t(r) * kv.row_stride + kv_offset;
+  const float* cos_sin =
+      kv.read_rope ? kv.read_rope + std::size_t(rotary_key_position(query_pos, key_pos, kv.window)) * (head_dim / 2) * 2
+                   : nullptr;
+  float dot = 0.0f;
+  for (int j = 0; j < kPerLane; ++j) {
+    const int d = lane + j * kWarp;
+    if (d < head_dim) dot += query[j] * (cos_sin ? rope_rotated_element(key, d, cos_sin + (d / 2) * 2) : key[d]);
+  }
+  return warp_sum(dot) * (1.0f / sqrtf(static_cast<float>(head_dim)));
+}
+
+// A softmax over some rows, not yet normalised: the largest score (-inf: no row visible), the sum of
+// exp(score - max), and (per element, elsewhere) the sum of exp(score - max) · v.
+struct PartialSoftmax {
+  float max;
+  float total;
+};
+
+// The warps' partial softmaxes, merged through shared memory at the end of attend_rows.
+struct WarpPartials {
+  float max[kMaxAttentionWarps];
+  float total[kMaxAttentionWarps];
+  float values[kMaxAttentionWarps][kMaxHeadDim];
+};
+
+// One block's online softmax over the view rows [row_begin, row_end) for one query head: warp w visits rows
+// row_begin + w, + warps, ...; every thread of the block must call it (it ends with a barrier). Returns the
+// block's merged maximum and sum in every thread; merged_value(parts, ...) gives its weighted values.
+__device__ PartialSoftmax attend_rows(WarpPartials& parts, const float (&query)[kPerLane], const KvView& kv,
+                                      int row_begin, int row_end, int query_pos, int kv_offset, int head_dim) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  float values[kPerLane] = {};
+  float running_max = -INFINITY, total = 0.0f;
+  for (int r = row_begin + warp; r < row_end; r += warps) {
     const int key_pos = kv.position_of(r);
     if (!key_visible(query_pos, key_pos, kv.window)) continue;  // the same r in every lane
     const float* value = kv.values + std::size_t(r) * kv.row_stride + kv_offset;
-    const float score = score_of(r, key_pos);
+    const float score = score_of(query, kv, r, key_pos, query_pos, kv_offset, head_dim, lane);
     const float new_max = fmaxf(running_max, score);
     const float rescale = expf(running_max - new_max);  // 0 for the first visible row
     const float weight = expf(score - new_max);
@@ -171,30 +183,98 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
     }
     running_max = new_max;
   }
-  if (lane == 0) warp_max[warp] = running_max, warp_total[warp] = total;
+  if (lane == 0) parts.max[warp] = running_max, parts.total[warp] = total;
   for (int j = 0; j < kPerLane; ++j) {
     const int d = lane + j * kWarp;
-    if (d < head_dim) warp_values[warp][d] = values[j];
+    if (d < head_dim) parts.values[warp][d] = values[j];
   }
   __syncthreads();
-  float block_max = minus_inf, block_total = 0.0f;
-  for (int w = 0; w < warps; ++w) block_max = fmaxf(block_max, warp_max[w]);
+  PartialSoftmax block{-INFINITY, 0.0f};
+  for (int w = 0; w < warps; ++w) block.max = fmaxf(block.max, parts.max[w]);
   for (int w = 0; w < warps; ++w)
-    if (warp_max[w] != minus_inf) block_total += warp_total[w] * expf(warp_max[w] - block_max);
+    if (parts.max[w] != -INFINITY) block.total += parts.total[w] * expf(parts.max[w] - block.max);
+  return block;
+}
+
+// Element d of the block's Σ exp(score - block_max) · v, after attend_rows.
+__device__ float merged_value(const WarpPartials& parts, int d, float block_max) {
+  float o = 0.0f;
+  for (int w = 0; w < int(blockDim.x / kWarp); ++w)
+    if (parts.max[w] != -INFINITY) o += parts.values[w][d] * expf(parts.max[w] - block_max);
+  return o;
+}
+
+// out (n, n_heads · head_dim), q (n, n_heads · head_dim) at positions[0 .. n-1] (device memory).
+// Grid (n_heads, n), block warps · 32 (warps <= kMaxAttentionWarps, chosen by the caller): block (h, i)
+// computes query i's head h over all the rows it visits. With `weights` (n, n_heads, rows) the warps then
+// visit their rows again and write each row's softmax weight (0 for a hidden row): an observer's second
+// pass, off by default.
+__global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
+    attention_kernel(float* out, float* weights, const float* q, const int* positions, KvView kv, int n_heads,
+                     int group, int head_dim) {
+  __shared__ WarpPartials parts;
+  const int h = blockIdx.x, i = blockIdx.y;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  const int query_pos = positions[i], kv_offset = (h / group) * head_dim, dim = n_heads * head_dim;
+  const int row_end = kv.rows_to_visit(query_pos);  // the rows past the query's own position are its future
+  float query[kPerLane];
+  load_query(query, q + std::size_t(i) * dim + h * head_dim, kv, query_pos, head_dim, lane);
+  const PartialSoftmax block = attend_rows(parts, query, kv, 0, row_end, query_pos, kv_offset, head_dim);
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float o = 0.0f;
-    for (int w = 0; w < warps; ++w)
-      if (warp_max[w] != minus_inf) o += warp_values[w][d] * expf(warp_max[w] - block_max);
     // Nothing visible (only a deliberately broken cache gets here): 0, as the CPU backend.
-    out[std::size_t(i) * dim + h * head_dim + d] = block_total > 0.0f ? o / block_total : 0.0f;
+    out[std::size_t(i) * dim + h * head_dim + d] = block.total > 0.0f ? merged_value(parts, d, block.max) / block.total : 0.0f;
   }
   if (!weights) return;
   float* observed = weights + (std::size_t(i) * n_heads + h) * kv.rows;
   for (int r = warp; r < kv.rows; r += warps) {
     const int key_pos = kv.position_of(r);
     const bool visible = r < row_end && key_visible(query_pos, key_pos, kv.window);
-    const float weight = visible ? expf(score_of(r, key_pos) - block_max) / block_total : 0.0f;
+    const float weight =
+        visible ? expf(score_of(query, kv, r, key_pos, query_pos, kv_offset, head_dim, lane) - block.max) / block.total : 0.0f;
     if (lane == 0) observed[r] = weight;
+  }
+}
+
+// One decoding query (at positions[0]), its rows split into chunks of rows_per_split: block (h, s) runs the
+// online softmax of head h over chunk s and writes it, unnormalised, to partials (n_heads, splits,
+// 2 + head_dim) = [max, total, Σ exp(score - max) · v]; a chunk past the query's rows writes max -inf.
+// Grid (n_heads, splits), block warps · 32.
+__global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
+    attention_split_kernel(float* partials, const float* q, const int* positions, KvView kv, int group, int head_dim,
+                           int rows_per_split) {
+  __shared__ WarpPartials parts;
+  const int h = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+  const int query_pos = positions[0], kv_offset = (h / group) * head_dim;
+  const int row_begin = split * rows_per_split;
+  const int rows = kv.rows_to_visit(query_pos);
+  const int row_end = row_begin + rows_per_split < rows ? row_begin + rows_per_split : rows;
+  float query[kPerLane];
+  load_query(query, q + std::size_t(h) * head_dim, kv, query_pos, head_dim, threadIdx.x % kWarp);
+  const PartialSoftmax block = attend_rows(parts, query, kv, row_begin, row_end, query_pos, kv_offset, head_dim);
+  float* partial = partials + (std::size_t(h) * splits + split) * (2 + head_dim);
+  if (threadIdx.x == 0) partial[0] = block.max, partial[1] = block.total;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) partial[2 + d] = merged_value(parts, d, block.max);
+}
+
+// out (n_heads · head_dim) = the chunks' partial softmaxes merged: each rescaled by exp(its max - the
+// largest max), summed, divided by the summed totals (0 where no row was visible, as attention_kernel).
+// Grid (n_heads), block 128 (any size): block h merges head h, its threads stride over head_dim.
+__global__ void attention_merge_kernel(float* out, const float* partials, int splits, int head_dim) {
+  const int h = blockIdx.x;
+  const float* head = partials + std::size_t(h) * splits * (2 + head_dim);
+  float max = -INFINITY, total = 0.0f;
+  for (int s = 0; s < splits; ++s) max = fmaxf(max, head[std::size_t(s) * (2 + head_dim)]);
+  for (int s = 0; s < splits; ++s) {
+    const float* partial = head + std::size_t(s) * (2 + head_dim);
+    if (partial[0] != -INFINITY) total += partial[1] * expf(partial[0] - max);
+  }
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float o = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float* partial = head + std::size_t(s) * (2 + head_dim);
+      if (partial[0] != -INFINITY) o += partial[2 + d] * expf(partial[0] - max);
+    }
+    out[std::size_t(h) * head_dim + d] = total > 0.0f ? o / total : 0.0f;
   }
 }
 
@@ -216,6 +296,14 @@ __global__ void add_kernel(float* x, const float* y, std::size_t count) {
 
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 4096;
+
+// Split decoding: chunks of at least kRowsPerSplit rows (4 warps of 64 rows each), at most kMaxSplits of
+// them (the scratch for 65,536 rows of 16 heads of 128: 8.5 MB); a view of one chunk runs unsplit.
+constexpr int kRowsPerSplit = 256;
+constexpr int kMaxSplits = 256;
+constexpr int kSplitWarps = 4;
+
+int decode_splits(int rows) { return std::clamp((rows + kRowsPerSplit - 1) / kRowsPerSplit, 1, kMaxSplits); }
 
 unsigned blocks_for(std::size_t count) {
   return static_cast<unsigned>(std::min<std::size_t>((count + kThreads - 1) / kThreads, kMaxBlocks));
@@ -271,7 +359,11 @@ class CudaBackend final : public Backend {
     if (count) KVS_CUDA_CHECK(cudaMemcpyAsync(dst, host, count * sizeof(int), cudaMemcpyHostToDevice, stream_));
   }
   void synchronize() override { KVS_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
-  std::size_t attention_scratch_floats(const AttentionShape&, int) const override { return 0; }
+  // The split decode's partial softmaxes (attention_split_kernel): n_heads · splits · (2 + head_dim).
+  std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows) const override {
+    const int splits = decode_splits(max_rows);
+    return splits > 1 ? std::size_t(shape.n_heads) * splits * (2 + shape.head_dim) : 0;
+  }
 
   // Recording is CUDA stream capture: the operations queued between the two calls become a graph, which
   // replay() launches with one call.
@@ -314,7 +406,7 @@ class CudaBackend final : public Backend {
                x, table, n, heads, head_dim);
   }
   void attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
-                 const AttentionShape& shape, std::span<float>, float* weights) override {
+                 const AttentionShape& shape, std::span<float> scratch, float* weights) override {
     if (shape.head_dim > kMaxHeadDim)
       throw std::invalid_argument("attention: head_dim " + std::to_string(shape.head_dim) +
                                   " is larger than the CUDA kernel's " + std::to_string(kMaxHeadDim));
@@ -323,11 +415,26 @@ class CudaBackend final : public Backend {
     KvView device_view = kv;
     // Per-row positions live in host memory today (a cache's bookkeeping): the kernel reads a copy.
     if (kv.row_positions) device_view.row_positions = row_positions_on_device(kv.row_positions, kv.rows);
-    // Decoding, one query per head: few blocks, so more warps per block share the rows (one per 64 rows, up
-    // to 16). Prefill has a block per query and head already: 4 warps.
+    const int group = shape.n_heads / shape.n_kv_heads, splits = decode_splits(kv.rows);
+    if (n == 1 && splits > 1 && !weights) {
+      // Decoding over a long view: one block per (head, chunk of rows), then the merge. The split depends on
+      // the view's rows only, never on the position, so a recorded step replays the same launches.
+      const std::size_t needed = attention_scratch_floats(shape, kv.rows);
+      if (scratch.size() < needed)
+        throw std::invalid_argument("attention: a view of " + std::to_string(kv.rows) +
+                                    " rows needs more scratch than the model allocated");
+      const int rows_per_split = (kv.rows + splits - 1) / splits;
+      KVS_LAUNCH(attention_split_kernel, dim3(shape.n_heads, splits), dim3(kSplitWarps * kWarp), 0, stream_,
+                 scratch.data(), q, positions, device_view, group, shape.head_dim, rows_per_split);
+      KVS_LAUNCH(attention_merge_kernel, dim3(shape.n_heads), dim3(128), 0, stream_, out, scratch.data(), splits,
+                 shape.head_dim);
+      return;
+    }
+    // Decoding a short view (or observed), one query per head: few blocks, so more warps per block share the
+    // rows (one per 64 rows, up to 16). Prefill has a block per query and head already: 4 warps.
     const int warps = n == 1 ? std::clamp(kv.rows / 64, 1, kMaxAttentionWarps) : 4;
     KVS_LAUNCH(attention_kernel, dim3(shape.n_heads, n), dim3(warps * kWarp), 0, stream_, out, weights, q, positions,
-               device_view, shape.n_heads, shape.n_heads / shape.n_kv_heads, shape.head_dim);
+               device_view, shape.n_heads, group, shape.head_dim);
   }
   void write_rows(float* rows, int row_stride, const int* slots, const float* src, int n, int width) override {
     KVS_LAUNCH(write_rows_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, row_stride, slots,
