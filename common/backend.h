@@ -15,6 +15,7 @@
 // updates. Transfers are not recorded. A new recording replaces the last one.
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -58,6 +59,10 @@ class Backend {
   virtual void from_host(float* dst, const float* host, std::size_t floats) = 0;
   // Returns once every operation called so far has finished (see Ordering above).
   virtual void synchronize() = 0;
+  // Bytes the backend could still allocate, where the device says (a GPU: its free memory); -1 where it
+  // does not (the CPU, whose operating system hands out address space lazily: a stated budget,
+  // --memory-limit, is its limit instead).
+  virtual std::int64_t free_memory_bytes() const { return -1; }
   // Scratch floats attention needs for views of up to max_rows rows (allocated once by the model).
   virtual std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows) const = 0;
 

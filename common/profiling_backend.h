@@ -34,6 +34,7 @@ class ProfilingBackend final : public Backend {
   const char* name() const override { return inner_.name(); }
   std::string describe() const override { return inner_.describe(); }
   bool host_memory() const override { return inner_.host_memory(); }
+  std::int64_t free_memory_bytes() const override { return inner_.free_memory_bytes(); }
   float* allocate(std::size_t floats) override { return inner_.allocate(floats); }
   void release(float* p) override { inner_.release(p); }
   int* allocate_ints(std::size_t count) override { return inner_.allocate_ints(count); }

@@ -1,11 +1,13 @@
 // The chapter binaries, run end to end as a reader would run them.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "checkpoint.h"
 #include "test_util.h"
 
 using kvs::test::golden_path;
@@ -234,6 +236,60 @@ TEST_CASE("03_benchmark --synthetic: random weights of a chosen shape, and shape
     CHECK(bad.err.find("--synthetic") != std::string::npos);
   }
   CHECK(run_command(bench + " --synthetic 64,3,4,2 --model x.bin").exit_code == 2);
+}
+
+TEST_CASE("03_benchmark --context-wall: caches grow until --memory-limit refuses, the wall within 0.1% of the formula") {
+  kvs::test::TempDir dir;
+  const std::string csv = dir.file("wall.csv");
+  const std::string bench = binary("03_benchmark") + " --model " + golden_path("mha.bin") + " --threads 1 --context-wall";
+  const auto r = run_command(bench + " --memory-limit 64MiB --csv " + csv);
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  const kvs::Checkpoint checkpoint(golden_path("mha.bin"));
+  const kvs::ModelConfig& c = checkpoint.config();
+  const long long per_position = 2LL * c.n_layers * c.n_kv_heads * c.head_dim() * 4;
+  const std::size_t at = r.err.find("predicted by --memory-limit");
+  REQUIRE(at != std::string::npos);
+  const std::size_t colon = r.err.find(": ", at);
+  const long long predicted = std::stoll(r.err.substr(colon + 2));
+  CHECK(predicted * per_position <= 64LL << 20);
+  std::ifstream in(csv);
+  std::string line;
+  std::getline(in, line);
+  CHECK(line == "positions,cache_bytes,result");
+  long long fits = 0, refused = -1, previous = 0;
+  int attempts = 0;
+  bool doubling = true;
+  for (; std::getline(in, line); ++attempts) {
+    std::stringstream fields(line);
+    std::string positions_text, bytes_text, result;
+    std::getline(fields, positions_text, ',');
+    std::getline(fields, bytes_text, ',');
+    std::getline(fields, result);
+    const long long positions = std::stoll(positions_text);
+    CAPTURE(line);
+    CHECK(std::stoll(bytes_text) == positions * per_position);  // the formula's bytes, allocated
+    if (doubling) CHECK(positions == (previous == 0 ? 1024 : 2 * previous));
+    CHECK((result == "fits" || result == "refused by --memory-limit"));
+    // Monotone: nothing longer than a refused length fits, nothing shorter than a fitting one is refused.
+    CHECK(positions > fits);
+    CHECK((refused < 0 || positions < refused));
+    if (result == "fits") {
+      fits = positions;
+    } else {
+      refused = positions;
+      doubling = false;
+    }
+    previous = positions;
+  }
+  CHECK(attempts > 10);
+  CHECK(fits <= predicted);
+  CHECK(predicted < refused);
+  CHECK(refused - fits <= std::max(1LL, fits / 1000));
+  for (const char* flag : {"--lengths 8", "--breakdown", "--repeats 2", "--max-new-tokens 4"}) {
+    CAPTURE(flag);
+    CHECK(run_command(bench + " " + flag).exit_code == 2);
+  }
 }
 
 TEST_CASE("no binary accepts a flag it would ignore") {

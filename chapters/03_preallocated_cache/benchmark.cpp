@@ -10,6 +10,7 @@
 
 #include "../02_dynamic_cache/growing_kv_cache.h"
 #include "breakdown.h"
+#include "context_wall.h"
 #include "cli.h"
 #include "generate.h"
 #include "preallocated_kv_cache.h"
@@ -35,7 +36,7 @@ int main(int argc, char** argv) {
   options.max_new_tokens = 64;
   std::string lengths_text = "32,128,512,1024,2048", memory_csv;
   int naive_tokens = 8, repeats = 3;
-  bool breakdown = false;
+  bool breakdown = false, context_wall = false;
   kvs::ArgParser parser(
       "03_benchmark",
       "Sweep over prompt lengths: time to first token (TTFT) and median per-token decode time for naive\n"
@@ -55,7 +56,12 @@ int main(int argc, char** argv) {
       "the device's copy bandwidth).\n"
       "  CSV (--csv): prompt_tokens, step_ms_mean, step_ms_p50, step_ms_p99, matmul_ms, attention_ms, other_ms,\n"
       "  weight_bytes, kv_bytes, achieved_gbs, limit_gbs, threads, operations (backend operations per step),\n"
-      "  graph_ms_p50 (the step replayed as a CUDA graph; 0 where the backend cannot record).");
+      "  graph_ms_p50 (the step replayed as a CUDA graph; 0 where the backend cannot record).\n"
+      "--context-wall: instead of the sweep, the longest KV cache that fits, measured: preallocated caches of\n"
+      "1024, 2048, 4096, ... positions, each allocated and its last position written, until the memory refuses\n"
+      "one (a GPU's allocator; on the CPU, which backs pages lazily, --memory-limit), then bisection to 0.1%;\n"
+      "printed next to the formula's prediction.\n"
+      "  CSV (--csv): positions, cache_bytes, result.");
   kvs::add_common_flags(parser, options, "data/kjv/valid.txt, the held-out text", kvs::CommonFlags::kGreedy);
   parser.add_string("--lengths", "LIST", "prompt lengths, comma-separated (default 32,128,512,1024,2048)",
                     &lengths_text);
@@ -68,9 +74,14 @@ int main(int argc, char** argv) {
                     "2048,16,16,4: 3 GB): gibberish text, real timings and bytes - a model too large for the caches",
                     &options.synthetic);
   parser.add_switch("--breakdown", "where a decode step's time goes, against the read bandwidth (see above)", &breakdown);
+  parser.add_switch("--context-wall", "the longest KV cache the memory holds, measured by allocation (see above)",
+                    &context_wall);
   parser.add_check([&] {
     for (const char* flag : {"--naive-tokens", "--repeats", "--memory-csv"})
-      if (breakdown && parser.given(flag)) return std::string(flag) + " is for the sweep, not --breakdown";
+      if ((breakdown || context_wall) && parser.given(flag))
+        return std::string(flag) + " is for the sweep, not " + (breakdown ? "--breakdown" : "--context-wall");
+    for (const char* flag : {"--breakdown", "--lengths", "--max-new-tokens"})
+      if (context_wall && parser.given(flag)) return std::string(flag) + " does not apply to --context-wall";
     return std::string();
   });
   parser.parse(argc, argv);
@@ -88,6 +99,14 @@ int main(int argc, char** argv) {
     const int longest = *std::max_element(lengths.begin(), lengths.end()) + options.max_new_tokens;
     kvs::Runtime rt(options, default_prompt, kvs::PromptFit::kCutByCaller, longest);
     const kvs::ModelConfig& c = rt.model.config();
+    if (context_wall) {
+      std::cerr << rt.describe() << "\n";
+      for (const kvs::NamedPath& input : rt.inputs()) inputs.push_back(input);
+      kvs::CsvWriter wall_csv({"--csv", options.csv}, "positions,cache_bytes,result", inputs);
+      kvs::ch03::measure_context_wall(rt, wall_csv);
+      if (wall_csv.enabled()) std::cerr << "wrote " << wall_csv.path() << "\n";
+      return 0;
+    }
     std::int64_t peak = 0;  // one cache at a time: the largest peak over lengths and policies
     for (int length : lengths) {
       const int prompt_len = std::min(length, c.seq_len - options.max_new_tokens), total = prompt_len + options.max_new_tokens;

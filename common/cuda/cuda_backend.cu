@@ -329,6 +329,13 @@ class CudaBackend final : public Backend {
   const char* name() const override { return name_.c_str(); }
   std::string describe() const override { return name_; }
   bool host_memory() const override { return false; }
+#if !defined(KVS_CUDA_HARNESS)  // the harness's memory is the host's: no device to ask
+  std::int64_t free_memory_bytes() const override {
+    std::size_t free = 0, total = 0;
+    KVS_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return static_cast<std::int64_t>(free);
+  }
+#endif
 
   float* allocate(std::size_t floats) override { return static_cast<float*>(allocate_bytes(floats * sizeof(float))); }
   // Not checked: Buffer calls this from its destructor, which must not throw; a failed free leaves the
