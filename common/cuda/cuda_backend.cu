@@ -117,6 +117,11 @@ constexpr int kMaxAttentionWarps = 16;
 constexpr int kMaxHeadDim = 256;
 constexpr int kPerLane = kMaxHeadDim / kWarp;
 constexpr int kRowsInFlight = 4;
+// Split decoding: chunks of at least kRowsPerSplit rows (4 warps of 64 rows each), at most kMaxSplits of
+// them (the scratch for 65,536 rows of 16 heads of 128: 8.5 MB); a view of one chunk runs unsplit.
+constexpr int kRowsPerSplit = 256;
+constexpr int kMaxSplits = 256;
+constexpr int kSplitWarps = 4;
 
 // Lane `lane`'s elements of a query head (0 past head_dim), rotated by the query's rotary position when
 // the view rotates at read time (kv.read_rope, chapter 04; the table holds [cos, sin] per pair).
@@ -258,7 +263,8 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
 // online softmax of head h over chunk s and writes it, unnormalised, to partials (n_heads, splits,
 // 2 + head_dim) = [max, total, Σ exp(score - max) · v]; a chunk past the query's rows writes max -inf.
 // Grid (n_heads, splits), block warps · 32.
-__global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
+// 128 threads, so up to 255 registers a thread: more rows in flight without spilling to local memory.
+__global__ void __launch_bounds__(kSplitWarps * kWarp)
     attention_split_kernel(float* partials, const float* q, const int* positions, KvView kv, int group, int head_dim,
                            int rows_per_split) {
   __shared__ WarpPartials parts;
@@ -340,11 +346,6 @@ __global__ void add_kernel(float* x, const float* y, std::size_t count) {
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 4096;
 
-// Split decoding: chunks of at least kRowsPerSplit rows (4 warps of 64 rows each), at most kMaxSplits of
-// them (the scratch for 65,536 rows of 16 heads of 128: 8.5 MB); a view of one chunk runs unsplit.
-constexpr int kRowsPerSplit = 256;
-constexpr int kMaxSplits = 256;
-constexpr int kSplitWarps = 4;
 
 int decode_splits(int rows) { return std::clamp((rows + kRowsPerSplit - 1) / kRowsPerSplit, 1, kMaxSplits); }
 
