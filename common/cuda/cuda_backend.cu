@@ -116,12 +116,6 @@ __global__ void rope_kernel(float* x, const float* table, int n, int heads, int 
 constexpr int kMaxAttentionWarps = 16;
 constexpr int kMaxHeadDim = 256;
 constexpr int kPerLane = kMaxHeadDim / kWarp;
-constexpr int kRowsInFlight = 4;
-// Split decoding: chunks of at least kRowsPerSplit rows (4 warps of 64 rows each), at most kMaxSplits of
-// them (the scratch for 65,536 rows of 16 heads of 128: 8.5 MB); a view of one chunk runs unsplit.
-constexpr int kRowsPerSplit = 256;
-constexpr int kMaxSplits = 256;
-constexpr int kSplitWarps = 4;
 
 // Lane `lane`'s elements of a query head (0 past head_dim), rotated by the query's rotary position when
 // the view rotates at read time (kv.read_rope, chapter 04; the table holds [cos, sin] per pair).
@@ -166,44 +160,26 @@ struct WarpPartials {
   float values[kMaxAttentionWarps][kMaxHeadDim];
 };
 
-// One block's online softmax over the view rows [row_begin, row_end) for one query head, the warps taking
-// turns at groups of kRowsInFlight rows; every thread of the block must call it (it ends with a barrier). Returns the
+// One block's online softmax over the view rows [row_begin, row_end) for one query head: warp w visits rows
+// row_begin + w, + warps, ...; every thread of the block must call it (it ends with a barrier). Returns the
 // block's merged maximum and sum in every thread; merged_value(parts, ...) gives its weighted values.
 __device__ PartialSoftmax attend_rows(WarpPartials& parts, const float (&query)[kPerLane], const KvView& kv,
                                       int row_begin, int row_end, int query_pos, int kv_offset, int head_dim) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   float values[kPerLane] = {};
   float running_max = -INFINITY, total = 0.0f;
-  // A warp takes kRowsInFlight consecutive rows at a time and loads and scores them together: their loads
-  // do not wait on each other, so the warp waits on memory once per group rather than once per row (one
-  // row at a time, attention read K/V at 300 GB/s at 16k positions on an H100; see book/07).
-  for (int first = row_begin + warp * kRowsInFlight; first < row_end; first += warps * kRowsInFlight) {
-    float scores[kRowsInFlight];
-    float group_max = -INFINITY;
-KVS_UNROLL
-    for (int k = 0; k < kRowsInFlight; ++k) {
-      const int r = first + k, key_pos = r < row_end ? kv.position_of(r) : -1;
-      // A hidden row (the same in every lane) is never read: -inf, weight 0.
-      scores[k] = key_visible(query_pos, key_pos, kv.window)
-                      ? score_of(query, kv, r, key_pos, query_pos, kv_offset, head_dim, lane)
-                      : -INFINITY;
-      group_max = fmaxf(group_max, scores[k]);
-    }
-    if (group_max == -INFINITY) continue;  // nothing visible in this group
-    const float new_max = fmaxf(running_max, group_max);
-    const float rescale = expf(running_max - new_max);  // 0 for the first visible group
-    for (int j = 0; j < kPerLane; ++j) values[j] *= rescale;
-    total *= rescale;
-KVS_UNROLL
-    for (int k = 0; k < kRowsInFlight; ++k) {
-      if (scores[k] == -INFINITY) continue;
-      const float weight = expf(scores[k] - new_max);
-      const float* value = kv.values + std::size_t(first + k) * kv.row_stride + kv_offset;
-      total += weight;
-      for (int j = 0; j < kPerLane; ++j) {
-        const int d = lane + j * kWarp;
-        if (d < head_dim) values[j] += weight * value[d];
-      }
+  for (int r = row_begin + warp; r < row_end; r += warps) {
+    const int key_pos = kv.position_of(r);
+    if (!key_visible(query_pos, key_pos, kv.window)) continue;  // the same r in every lane
+    const float* value = kv.values + std::size_t(r) * kv.row_stride + kv_offset;
+    const float score = score_of(query, kv, r, key_pos, query_pos, kv_offset, head_dim, lane);
+    const float new_max = fmaxf(running_max, score);
+    const float rescale = expf(running_max - new_max);  // 0 for the first visible row
+    const float weight = expf(score - new_max);
+    total = total * rescale + weight;
+    for (int j = 0; j < kPerLane; ++j) {
+      const int d = lane + j * kWarp;
+      if (d < head_dim) values[j] = values[j] * rescale + weight * value[d];
     }
     running_max = new_max;
   }
@@ -263,8 +239,7 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
 // online softmax of head h over chunk s and writes it, unnormalised, to partials (n_heads, splits,
 // 2 + head_dim) = [max, total, Σ exp(score - max) · v]; a chunk past the query's rows writes max -inf.
 // Grid (n_heads, splits), block warps · 32.
-// 128 threads, so up to 255 registers a thread: more rows in flight without spilling to local memory.
-__global__ void __launch_bounds__(kSplitWarps * kWarp)
+__global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
     attention_split_kernel(float* partials, const float* q, const int* positions, KvView kv, int group, int head_dim,
                            int rows_per_split) {
   __shared__ WarpPartials parts;
@@ -303,30 +278,6 @@ __global__ void attention_merge_kernel(float* out, const float* partials, int sp
   }
 }
 
-// out (d_out) = w (d_out, d_in) · x (d_in): the matrix products of a decode step (one position), which read
-// every weight once and are bound by memory. cuBLAS's general product reads them at about a third of an
-// H100's copy bandwidth at n = 1 (see book/07). Warp k computes output row k: lane l reads elements l,
-// l + 32, ... of the row (a warp's load is one 128-byte line), kGemvLoadsInFlight of them before it adds
-// (independent loads, separate sums), then one warp sum. Grid (ceil(d_out / 8)), block 256 (8 warps).
-constexpr int kGemvLoadsInFlight = 4;
-constexpr int kGemvWarps = 8;
-__global__ void gemv_kernel(float* out, const float* x, const float* w, int d_in, int d_out) {
-  const int row = blockIdx.x * kGemvWarps + threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  if (row >= d_out) return;  // the whole warp: a warp never spans two rows
-  const float* weights = w + std::size_t(row) * d_in;
-  float sums[kGemvLoadsInFlight] = {};
-  int i = lane;
-  for (; i + (kGemvLoadsInFlight - 1) * kWarp < d_in; i += kGemvLoadsInFlight * kWarp) {
-KVS_UNROLL
-    for (int k = 0; k < kGemvLoadsInFlight; ++k) sums[k] += weights[i + k * kWarp] * x[i + k * kWarp];
-  }
-  for (; i < d_in; i += kWarp) sums[0] += weights[i] * x[i];
-  float sum = 0.0f;
-  for (int k = 0; k < kGemvLoadsInFlight; ++k) sum += sums[k];
-  sum = warp_sum(sum);
-  if (lane == 0) out[row] = sum;
-}
-
 // gate (count) = silu(gate) ⊙ up. Grid (min(ceil(count / 256), kMaxBlocks)), block 256, grid-stride loop.
 __global__ void swiglu_kernel(float* gate, const float* up, std::size_t count) {
   for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += std::size_t(gridDim.x) * blockDim.x) {
@@ -346,6 +297,11 @@ __global__ void add_kernel(float* x, const float* y, std::size_t count) {
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 4096;
 
+// Split decoding: chunks of at least kRowsPerSplit rows (4 warps of 64 rows each), at most kMaxSplits of
+// them (the scratch for 65,536 rows of 16 heads of 128: 8.5 MB); a view of one chunk runs unsplit.
+constexpr int kRowsPerSplit = 256;
+constexpr int kMaxSplits = 256;
+constexpr int kSplitWarps = 4;
 
 int decode_splits(int rows) { return std::clamp((rows + kRowsPerSplit - 1) / kRowsPerSplit, 1, kMaxSplits); }
 
@@ -441,13 +397,8 @@ class CudaBackend final : public Backend {
   void embed(float* x, const float* table, const int* tokens, int n, int dim) override {
     KVS_LAUNCH(embed_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, x, table, tokens, dim);
   }
-  // One position (a decode step): the project's GEMV kernel, bound by reading w; more: cuBLAS.
   void matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) override {
-    if (n == 1)
-      KVS_LAUNCH(gemv_kernel, dim3(static_cast<unsigned>((d_out + kGemvWarps - 1) / kGemvWarps)), dim3(kGemvWarps * kWarp),
-                 0, stream_, out, x, w, d_in, d_out);
-    else
-      blas_.matmul_rows(out, x, w, n, d_in, d_out);
+    blas_.matmul_rows(out, x, w, n, d_in, d_out);
   }
   void rmsnorm(float* out, const float* x, const float* weight, int n, int dim) override {
     KVS_LAUNCH(rmsnorm_kernel, dim3(n), dim3(kThreads), 0, stream_, out, x, weight, dim);
