@@ -96,10 +96,15 @@ void measure_context_wall(Runtime& rt, CsvWriter& csv) {
   std::fprintf(stderr, "\ncontext wall: %lld positions fit, %lld do not (refused by %s: %s)\n",
                static_cast<long long>(fits), static_cast<long long>(refused), last_refusal.refused_by.c_str(),
                last_refusal.reason.c_str());
-  std::fprintf(stderr, "predicted %lld positions; measured / predicted = %.4f (%+lld positions, %s)\n",
-               static_cast<long long>(predicted), double(fits) / double(std::max<std::int64_t>(predicted, 1)),
-               static_cast<long long>(fits - predicted),
-               format_bytes(double(std::abs(fits - predicted) * per_position)).c_str());
+  // The wall lies between `fits` and `refused`: the prediction agrees when it falls in that bracket.
+  const bool agrees = fits <= predicted && predicted < refused;
+  const std::int64_t off_by = predicted < fits ? fits - predicted : predicted - refused + 1;
+  std::fprintf(stderr, "predicted %lld positions: %s\n", static_cast<long long>(predicted),
+               agrees ? "between the longest that fit and the shortest refused, as the formula says"
+                      : ((predicted < fits ? "more fit than predicted, by " : "fewer fit than predicted, by ") +
+                         std::to_string(off_by) + " positions (" + format_bytes(double(off_by * per_position)) +
+                         "): memory the prediction does not see")
+                            .c_str());
 }
 
 }  // namespace kvs::ch03
