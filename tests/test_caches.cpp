@@ -2,13 +2,13 @@
 // exact memory, refusal of what does not fit, and the masking rule at its boundaries.
 #include <doctest/doctest.h>
 
-#include <numeric>
 #include <vector>
 
 #include "02_dynamic_cache/growing_kv_cache.h"
 #include "03_preallocated_cache/preallocated_kv_cache.h"
 #include "cpu_backend.h"
 #include "resident_memory.h"
+#include "test_backends.h"
 
 using namespace kvs;
 using kvs::ch02::Growth;
@@ -20,11 +20,10 @@ const ModelConfig kConfig{.dim = 64, .hidden_dim = 96, .n_layers = 3, .n_heads =
                           .vocab_size = 256, .seq_len = 4096};
 
 // Writes positions [pos, pos + n) of every layer with values that encode (layer, position, column, K/V).
-void write_positions(KvCache& cache, int pos, int n) {
+void write_positions(Backend& backend, KvCache& cache, int pos, int n) {
   const int kv_dim = kConfig.kv_dim();
   std::vector<float> k(std::size_t(n) * kv_dim), v(k.size());
-  std::vector<int> positions(n);  // the caches here live on the CPU: host memory is backend memory
-  std::iota(positions.begin(), positions.end(), pos);
+  const IntBuffer positions = consecutive_positions(backend, pos, n);
   cache.prepare(pos, n);
   for (int layer = 0; layer < kConfig.n_layers; ++layer) {
     for (int i = 0; i < n; ++i)
@@ -32,20 +31,24 @@ void write_positions(KvCache& cache, int pos, int n) {
         k[std::size_t(i) * kv_dim + j] = float(layer * 1000000 + (pos + i) * 100 + j);
         v[std::size_t(i) * kv_dim + j] = -float(layer * 1000000 + (pos + i) * 100 + j);
       }
-    cache.write(layer, pos, n, positions.data(), k.data(), v.data());
+    const Buffer device_k = test::to_backend(backend, k), device_v = test::to_backend(backend, v);
+    cache.write(layer, pos, n, positions.data(), device_k.data(), device_v.data());
   }
 }
 
-// Every row of every layer holds what write_positions wrote for its position.
-bool holds_positions(const KvCache& cache, int length) {
+// Every row of every layer holds what write_positions wrote for its position (the rows copied to the host).
+bool holds_positions(Backend& backend, const KvCache& cache, int length) {
   for (int layer = 0; layer < kConfig.n_layers; ++layer) {
     const KvView view = cache.view(layer);
     if (view.rows != length) return false;
+    std::vector<float> keys(std::size_t(length) * view.row_stride), values(keys.size());
+    backend.to_host(keys.data(), view.keys, keys.size());
+    backend.to_host(values.data(), view.values, values.size());
     for (int r = 0; r < length; ++r)
       for (int j = 0; j < kConfig.kv_dim(); ++j) {
         const float expected = float(layer * 1000000 + view.position_of(r) * 100 + j);
-        if (view.keys[std::size_t(r) * view.row_stride + j] != expected) return false;
-        if (view.values[std::size_t(r) * view.row_stride + j] != -expected) return false;
+        if (keys[std::size_t(r) * view.row_stride + j] != expected) return false;
+        if (values[std::size_t(r) * view.row_stride + j] != -expected) return false;
       }
   }
   return true;
@@ -69,51 +72,55 @@ TEST_CASE("growth policy: concatenate grows to exactly what is needed, chunked t
   CHECK(grown_capacity(Growth::kGeometric, 28, 100) == 100);  // a prefill larger than double
 }
 
-TEST_CASE("growing cache: cached rows survive every reallocation (nanochat PR #186)") {
-  CpuBackend backend(1);
-  for (Growth growth : {Growth::kConcatenate, Growth::kChunked, Growth::kGeometric}) {
-    CAPTURE(ch02::growth_name(growth));
-    ch02::GrowingKvCache cache(backend, kConfig, growth);
-    write_positions(cache, 0, 1000);  // a prefill
-    CHECK(holds_positions(cache, 1000));
-    for (int pos = 1000; pos < 1100; ++pos) write_positions(cache, pos, 1);  // decode steps across 1024
-    CHECK(holds_positions(cache, 1100));
-    const std::int64_t row_bytes = 2 * kConfig.n_layers * kConfig.kv_dim() * sizeof(float);
-    if (growth == Growth::kConcatenate) {
-      CHECK(cache.allocations() == 101 * 2 * kConfig.n_layers);  // every forward pass reallocates K and V
-      // step t copies the t rows already cached: 1000 + 1001 + ... + 1099
-      CHECK(cache.bytes_copied() == (1000 + 1099) * 100 / 2 * row_bytes);
-      CHECK(cache.capacity_bytes() == 1100 * row_bytes);
-    } else if (growth == Growth::kGeometric) {
-      // 1000 from the prefill, doubled to 2000 at position 1000: one copy of the 1000 rows
-      CHECK(cache.allocations() == 2 * 2 * kConfig.n_layers);
-      CHECK(cache.bytes_copied() == 1000 * row_bytes);
-      CHECK(cache.capacity_bytes() == 2000 * row_bytes);
-    } else {
-      CHECK(cache.allocations() == 1 * 2 * kConfig.n_layers);  // 2048 positions from the first prefill
-      CHECK(cache.bytes_copied() == 0);
-      CHECK(cache.capacity_bytes() == 2048 * row_bytes);
-      write_positions(cache, 1100, 1000);  // 2100 > 2048: one growth to 4096, copying the 1100 rows
-      CHECK(cache.capacity() == 4096);
-      CHECK(cache.bytes_copied() == 1100 * row_bytes);
-      CHECK(holds_positions(cache, 2100));
+TEST_CASE("growing cache: cached rows survive every reallocation (nanochat PR #186), on every backend") {
+  test::for_each_backend(test::test_backend_names(), [](Backend& backend) {
+    for (Growth growth : {Growth::kConcatenate, Growth::kChunked, Growth::kGeometric}) {
+      CAPTURE(ch02::growth_name(growth));
+      ch02::GrowingKvCache cache(backend, kConfig, growth);
+      write_positions(backend, cache, 0, 1000);  // a prefill
+      CHECK(holds_positions(backend, cache, 1000));
+      for (int pos = 1000; pos < 1100; ++pos) write_positions(backend, cache, pos, 1);  // decode steps across 1024
+      CHECK(holds_positions(backend, cache, 1100));
+      const std::int64_t row_bytes = 2 * kConfig.n_layers * kConfig.kv_dim() * sizeof(float);
+      if (growth == Growth::kConcatenate) {
+        CHECK(cache.allocations() == 101 * 2 * kConfig.n_layers);  // every forward pass reallocates K and V
+        // step t copies the t rows already cached: 1000 + 1001 + ... + 1099
+        CHECK(cache.bytes_copied() == (1000 + 1099) * 100 / 2 * row_bytes);
+        CHECK(cache.capacity_bytes() == 1100 * row_bytes);
+      } else if (growth == Growth::kGeometric) {
+        // 1000 from the prefill, doubled to 2000 at position 1000: one copy of the 1000 rows
+        CHECK(cache.allocations() == 2 * 2 * kConfig.n_layers);
+        CHECK(cache.bytes_copied() == 1000 * row_bytes);
+        CHECK(cache.capacity_bytes() == 2000 * row_bytes);
+      } else {
+        CHECK(cache.allocations() == 1 * 2 * kConfig.n_layers);  // 2048 positions from the first prefill
+        CHECK(cache.bytes_copied() == 0);
+        CHECK(cache.capacity_bytes() == 2048 * row_bytes);
+        write_positions(backend, cache, 1100, 1000);  // 2100 > 2048: one growth to 4096, copying the 1100 rows
+        CHECK(cache.capacity() == 4096);
+        CHECK(cache.bytes_copied() == 1100 * row_bytes);
+        CHECK(holds_positions(backend, cache, 2100));
+      }
+      CHECK_THROWS_WITH(write_positions(backend, cache, cache.length() + 1, 1), doctest::Contains("leaves a gap"));
     }
-    CHECK_THROWS_WITH(write_positions(cache, cache.length() + 1, 1), doctest::Contains("leaves a gap"));
-  }
+  });
 }
 
-TEST_CASE("preallocated cache: exactly the formula's bytes, written in place, refuses what does not fit") {
-  CpuBackend backend(1);
-  ch03::PreallocatedKvCache cache(backend, kConfig, 300);
-  CHECK(cache.allocated_bytes() == kv_cache_bytes(kConfig, 300));
-  CHECK(cache.resident_bytes() <= cache.allocated_bytes() + 2 * 4096);  // whole pages at both ends
-  CHECK(cache.allocated_bytes() == 2 * 3 * 1 * 2 * 16 * 300 * 4);
-  write_positions(cache, 0, 37);
-  for (int pos = 37; pos < 300; ++pos) write_positions(cache, pos, 1);
-  CHECK(holds_positions(cache, 300));
-  CHECK(cache.resident_bytes() >= cache.allocated_bytes());  // every position written: every page touched
-  CHECK_THROWS_WITH(write_positions(cache, 300, 1), doctest::Contains("allocated for 300"));
-  CHECK_THROWS_WITH(write_positions(cache, 301, 1), doctest::Contains("leaves a gap"));
+TEST_CASE("preallocated cache: exactly the formula's bytes, written in place, refuses what does not fit, on every backend") {
+  test::for_each_backend(test::test_backend_names(), [](Backend& backend) {
+    ch03::PreallocatedKvCache cache(backend, kConfig, 300);
+    CHECK(cache.allocated_bytes() == kv_cache_bytes(kConfig, 300));
+    // Resident pages are counted in host memory only (-1 elsewhere).
+    if (!backend.host_memory()) CHECK(cache.resident_bytes() == -1);
+    if (backend.host_memory()) CHECK(cache.resident_bytes() <= cache.allocated_bytes() + 2 * 4096);  // whole pages at both ends
+    CHECK(cache.allocated_bytes() == 2 * 3 * 1 * 2 * 16 * 300 * 4);
+    write_positions(backend, cache, 0, 37);
+    for (int pos = 37; pos < 300; ++pos) write_positions(backend, cache, pos, 1);
+    CHECK(holds_positions(backend, cache, 300));
+    if (backend.host_memory()) CHECK(cache.resident_bytes() >= cache.allocated_bytes());  // every page written
+    CHECK_THROWS_WITH(write_positions(backend, cache, 300, 1), doctest::Contains("allocated for 300"));
+    CHECK_THROWS_WITH(write_positions(backend, cache, 301, 1), doctest::Contains("leaves a gap"));
+  });
 }
 
 TEST_CASE("masking rule: causal, with a window of W keys including the query's own, and sinks") {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "checkpoint.h"
+#include "test_backends.h"
 #include "test_util.h"
 
 using kvs::test::golden_path;
@@ -289,6 +290,26 @@ TEST_CASE("03_benchmark --context-wall: caches grow until --memory-limit refuses
   for (const char* flag : {"--lengths 8", "--breakdown", "--repeats 2", "--max-new-tokens 4"}) {
     CAPTURE(flag);
     CHECK(run_command(bench + " " + flag).exit_code == 2);
+  }
+}
+
+TEST_CASE("chapters on a GPU: --backend cuda prints the text --backend cpu prints") {
+  if (!kvs::test::gpu_present()) {
+    MESSAGE("no GPU here: the chapter binaries ran on the CPU only (the CUDA kernels ran through the harness)");
+    return;
+  }
+  // The shipped model, greedy: a cache kept on the GPU must give the CPU's tokens (the texts of chapters 05
+  // and 06 include a corrupted and a shifted cache; they must break the same way).
+  for (const char* chapter : {"01_naive_generation --max-new-tokens 100", "02_dynamic_cache --max-new-tokens 100",
+                              "03_preallocated_cache --max-new-tokens 300", "04_sliding_window --max-new-tokens 300",
+                              "05_break_corrupt_key", "06_break_off_by_one"}) {
+    CAPTURE(chapter);
+    const auto cpu = run_command(binary(chapter) + " --backend cpu");
+    const auto cuda = run_command(binary(chapter) + " --backend cuda");
+    CAPTURE(cuda.err);
+    REQUIRE(cpu.exit_code == 0);
+    REQUIRE(cuda.exit_code == 0);
+    CHECK(cuda.out == cpu.out);
   }
 }
 
