@@ -300,9 +300,9 @@ TEST_CASE("chapters on a GPU: --backend cuda prints the text --backend cpu print
   }
   // The shipped model, greedy: a cache kept on the GPU must give the CPU's tokens (the texts of chapters 05
   // and 06 include a corrupted and a shifted cache; they must break the same way).
-  for (const char* chapter : {"01_naive_generation --max-new-tokens 100", "02_dynamic_cache --max-new-tokens 100",
-                              "03_preallocated_cache --max-new-tokens 300", "04_sliding_window --max-new-tokens 300",
-                              "05_break_corrupt_key", "06_break_off_by_one"}) {
+  for (const std::string chapter : {"01_naive_generation --max-new-tokens 100", "02_dynamic_cache --max-new-tokens 100",
+                                    "03_preallocated_cache --max-new-tokens 300", "04_sliding_window --max-new-tokens 300",
+                                    "05_break_corrupt_key", "06_break_off_by_one"}) {
     CAPTURE(chapter);
     const auto cpu = run_command(binary(chapter) + " --backend cpu");
     const auto cuda = run_command(binary(chapter) + " --backend cuda");
