@@ -16,6 +16,7 @@
 #include "cpu_backend.h"
 #include "generate.h"
 #include "model.h"
+#include "test_backends.h"
 #include "test_util.h"
 #include "tokenizer.h"
 
@@ -29,9 +30,9 @@ namespace {
 struct MaskedFullCache final : KvCache {
   ch03::PreallocatedKvCache full;
   Window window;
-  std::vector<float> table;  // host: the CPU backend's memory
+  Buffer table;  // backend memory: [cos, sin] of positions 0 .. w.size - 1, when rotating at read time
   MaskedFullCache(Backend& b, const ModelConfig& c, int n, Window w, bool rotate_at_read = false)
-      : full(b, c, n), window(w), table(rotate_at_read ? test::rope_table(w.size, c.head_dim()) : std::vector<float>{}) {}
+      : full(b, c, n), window(w), table(rotate_at_read ? test::to_backend(b, test::rope_table(w.size, c.head_dim())) : Buffer{}) {}
   void prepare(int pos, int n) override { full.prepare(pos, n); }
   void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) override {
     full.write(layer, pos, n, positions, k, v);
@@ -39,12 +40,12 @@ struct MaskedFullCache final : KvCache {
   KvView view(int layer) const override {
     KvView v = full.view(layer);
     v.window = window;
-    v.read_rope = table.empty() ? nullptr : table.data();
+    v.read_rope = table.size() ? table.data() : nullptr;
     return v;
   }
   int length() const override { return full.length(); }
   KvRow row(int layer, int position) override { return full.row(layer, position); }
-  bool rotates_at_read() const override { return !table.empty(); }
+  bool rotates_at_read() const override { return table.size() > 0; }
 };
 
 // Logits of every position of `tokens`, fed through `cache` in calls of `chunk` positions.
@@ -80,30 +81,31 @@ constexpr float kTolerance = 1e-4f;
 
 }  // namespace
 
-TEST_CASE("sliding window: the ring equals a full cache masked to the window, across the wrap points") {
+TEST_CASE("sliding window: the ring equals a full cache masked to the window, across the wrap points, on every backend") {
   const Checkpoint checkpoint(test::golden_path("gqa.bin"));  // 3 query heads per KV head
   const ModelConfig& c = checkpoint.config();
-  CpuBackend backend(1);
-  Model model(checkpoint, backend);
-  const int W = 13;  // not a power of two
-  // Within-window positions: the reference keeps unrotated keys and rotates them the same way; only the
-  // ring's slot arithmetic differs.
-  for (const ch04::KeyPositions positions : {ch04::KeyPositions::kAbsolute, ch04::KeyPositions::kWithinWindow})
-    for (const Window window : {Window{W, 0}, Window{W, 4}})
-      for (int length : {W - 1, W, W + 1, 2 * W, 2 * W + 1})
-        for (int chunk : {1, 5, length}) {  // token by token, in chunks, in one call
-          CAPTURE(ch04::to_string(positions));
-          CAPTURE(window.sinks);
-          CAPTURE(length);
-          CAPTURE(chunk);
-          const std::vector<int> tokens = random_tokens(length, c.vocab_size, length);
-          MaskedFullCache reference(backend, c, length, window, positions == ch04::KeyPositions::kWithinWindow);
-          ch04::SlidingWindowKvCache ring(backend, c, window, chunk, positions);
-          CHECK(ring.slots() == W + chunk - 1);
-          const float worst =
-              max_difference(all_logits(model, reference, tokens, 1), all_logits(model, ring, tokens, chunk));
-          CHECK(worst <= kTolerance);
-        }
+  test::for_each_backend(test::test_backend_names(), [&](Backend& backend) {
+    Model model(checkpoint, backend);
+    const int W = 13;  // not a power of two
+    // Within-window positions: the reference keeps unrotated keys and rotates them the same way; only the
+    // ring's slot arithmetic differs.
+    for (const ch04::KeyPositions positions : {ch04::KeyPositions::kAbsolute, ch04::KeyPositions::kWithinWindow})
+      for (const Window window : {Window{W, 0}, Window{W, 4}})
+        for (int length : {W - 1, W, W + 1, 2 * W, 2 * W + 1})
+          for (int chunk : {1, 5, length}) {  // token by token, in chunks, in one call
+            CAPTURE(ch04::to_string(positions));
+            CAPTURE(window.sinks);
+            CAPTURE(length);
+            CAPTURE(chunk);
+            const std::vector<int> tokens = random_tokens(length, c.vocab_size, length);
+            MaskedFullCache reference(backend, c, length, window, positions == ch04::KeyPositions::kWithinWindow);
+            ch04::SlidingWindowKvCache ring(backend, c, window, chunk, positions);
+            CHECK(ring.slots() == W + chunk - 1);
+            const float worst =
+                max_difference(all_logits(model, reference, tokens, 1), all_logits(model, ring, tokens, chunk));
+            CHECK(worst <= kTolerance);
+          }
+  });
 }
 
 TEST_CASE("sliding window: the window matters - past it, a ring and a full unmasked cache disagree") {
