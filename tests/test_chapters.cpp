@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -200,16 +199,14 @@ TEST_CASE("03_benchmark --breakdown: one row per length, the parts add up to the
   CAPTURE(r.err);
   REQUIRE(r.exit_code == 0);
   CHECK(r.err.find("of limit") != std::string::npos);
-  std::ifstream in(csv);
-  std::string line;
-  std::getline(in, line);
-  CHECK(line == "prompt_tokens,step_ms_mean,step_ms_p50,step_ms_p99,matmul_ms,attention_ms,other_ms,weight_bytes,"
-                "kv_bytes,achieved_gbs,limit_gbs,threads,operations,graph_ms_p50");
-  int rows = 0;
-  for (; std::getline(in, line); ++rows) {
+  const auto lines = kvs::test::read_csv(csv);
+  REQUIRE(lines.size() == 3);  // the header and one row per length
+  CHECK(lines[0] == std::vector<std::string>{"prompt_tokens", "step_ms_mean", "step_ms_p50", "step_ms_p99", "matmul_ms",
+                                             "attention_ms", "other_ms", "weight_bytes", "kv_bytes", "achieved_gbs",
+                                             "limit_gbs", "threads", "operations", "graph_ms_p50"});
+  for (std::size_t row = 1; row < lines.size(); ++row) {
     std::vector<double> f;
-    std::stringstream fields(line);
-    for (std::string x; std::getline(fields, x, ',');) f.push_back(std::stod(x));
+    for (const std::string& field : lines[row]) f.push_back(std::stod(field));
     REQUIRE(f.size() == 14);
     // No timing is compared: the split comes from a second run, and a loaded machine moves either (no timed
     // assertions in tests). Each part was measured.
@@ -220,7 +217,6 @@ TEST_CASE("03_benchmark --breakdown: one row per length, the parts add up to the
     CHECK(f[12] == 17 * 2 + 6);  // operations per decode step: 17 per layer (2 here) and 6 more (see book/07)
     CHECK(f[13] == 0);           // the CPU backend cannot record a step
   }
-  CHECK(rows == 2);
   CHECK(run_command(bench + " --breakdown --repeats 2").exit_code == 2);
 }
 
@@ -254,22 +250,18 @@ TEST_CASE("03_benchmark --context-wall: caches grow until --memory-limit refuses
   const std::size_t colon = r.err.find(": ", at);
   const long long predicted = std::stoll(r.err.substr(colon + 2));
   CHECK(predicted * per_position <= 64LL << 20);
-  std::ifstream in(csv);
-  std::string line;
-  std::getline(in, line);
-  CHECK(line == "positions,cache_bytes,result");
+  const auto lines = kvs::test::read_csv(csv);
+  REQUIRE(lines.size() > 1);
+  CHECK(lines[0] == std::vector<std::string>{"positions", "cache_bytes", "result"});
   long long fits = 0, refused = -1, previous = 0;
-  int attempts = 0;
   bool doubling = true;
-  for (; std::getline(in, line); ++attempts) {
-    std::stringstream fields(line);
-    std::string positions_text, bytes_text, result;
-    std::getline(fields, positions_text, ',');
-    std::getline(fields, bytes_text, ',');
-    std::getline(fields, result);
-    const long long positions = std::stoll(positions_text);
-    CAPTURE(line);
-    CHECK(std::stoll(bytes_text) == positions * per_position);  // the formula's bytes, allocated
+  for (std::size_t row = 1; row < lines.size(); ++row) {
+    const std::vector<std::string>& fields = lines[row];
+    CAPTURE(row);
+    REQUIRE(fields.size() == 3);
+    const std::string& result = fields[2];
+    const long long positions = std::stoll(fields[0]);
+    CHECK(std::stoll(fields[1]) == positions * per_position);  // the formula's bytes, allocated
     if (doubling) CHECK(positions == (previous == 0 ? 1024 : 2 * previous));
     CHECK((result == "fits" || result == "refused by --memory-limit"));
     // Monotone: nothing longer than a refused length fits, nothing shorter than a fitting one is refused.
@@ -283,7 +275,7 @@ TEST_CASE("03_benchmark --context-wall: caches grow until --memory-limit refuses
     }
     previous = positions;
   }
-  CHECK(attempts > 10);
+  CHECK(lines.size() > 11);  // more than ten attempts
   CHECK(fits <= predicted);
   CHECK(predicted < refused);
   CHECK(refused - fits <= std::max(1LL, fits / 1000));

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -87,6 +88,18 @@ inline HostWeights random_weights(const ModelConfig& c, std::uint32_t seed) {
                      tensor(L * dim),          tensor(L * hidden * dim), tensor(L * dim * hidden),
                      tensor(L * hidden * dim), tensor(dim),              c.shared_classifier ? std::vector<float>{}
                                                                                              : tensor(vocab * dim)};
+}
+
+// A CSV file the binaries wrote: one vector of fields per line, the header first (no quoting: ours have none).
+inline std::vector<std::vector<std::string>> read_csv(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<std::vector<std::string>> lines;
+  for (std::string line; std::getline(in, line);) {
+    std::vector<std::string>& fields = lines.emplace_back();
+    std::stringstream text(line);
+    for (std::string field; std::getline(text, field, ',');) fields.push_back(field);
+  }
+  return lines;
 }
 
 struct CommandResult {
