@@ -11,6 +11,7 @@
 
 #include "cli.h"
 #include "rope.h"
+#include "worker_pool.h"
 
 namespace kvs {
 namespace {
@@ -19,11 +20,39 @@ using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::Row
 using Strided = Eigen::OuterStride<>;
 constexpr float kRmsEps = 1e-5f;
 
+// Work is handed to other threads in tasks of at least this many multiply-adds (~10 us on one core):
+// handing a task over costs a round trip between cores (worker_pool.h), and a decode step of the shipped
+// model is ~40 operations of 1-30 us. Measured there with 2 threads (03_benchmark --breakdown): splitting
+// every matrix product into 32-column tasks made a step at context 32 slower, 0.112 ms against 0.089 with
+// one thread; products of its size now run on one core, attention over long contexts on two.
+constexpr std::int64_t kTaskMultiplyAdds = 1 << 17;
+
+// A matrix product's tasks: whole groups of 16 output columns (rows of the weight matrix), each at least
+// kTaskMultiplyAdds. The split depends on the shapes only, never on the thread count, so every output is
+// the same sum in the same order on 1 or 2 threads (bit-identical results, tested).
+int matmul_columns_per_task(int n, int d_in, int d_out) {
+  const std::int64_t per_column = std::int64_t(n) * d_in;
+  const std::int64_t columns = (kTaskMultiplyAdds + per_column - 1) / per_column;
+  return static_cast<int>(std::min<std::int64_t>(d_out, (columns + 15) / 16 * 16));
+}
+
+// Softmax in place over s[0, count): scaled scores in, probabilities out. Vectorised: Eigen's exp runs on
+// whole SIMD registers (std::exp in a loop ran one float at a time and was most of attention's time at long
+// context); a -inf score (a masked row) becomes exactly 0.
+void softmax(float* s, int count) {
+  Eigen::Map<Eigen::ArrayXf> a(s, count);
+  a = (a - a.maxCoeff()).exp();
+  a *= 1.0f / a.sum();
+}
+
 }  // namespace
 
 // Nothing process-wide is set here: two backends in one process must not change each other's thread count.
-// Each operation states its own (Eigen's count before a product, num_threads on our OpenMP loop).
-CpuBackend::CpuBackend(int threads) : threads_(threads > 0 ? threads : available_cores()) {}
+// Each backend owns its team of threads; Eigen itself always runs on the calling thread.
+CpuBackend::CpuBackend(int threads)
+    : threads_(threads > 0 ? threads : available_cores()), pool_(std::make_unique<WorkerPool>(threads_)) {}
+
+CpuBackend::~CpuBackend() = default;
 
 float* CpuBackend::allocate(std::size_t floats) {
   // Uninitialised, like malloc: every buffer is written before it is read, and the operating system
@@ -68,12 +97,15 @@ void CpuBackend::embed(float* x, const float* table, const int* tokens, int n, i
 }
 
 void CpuBackend::matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) {
-  Eigen::Map<const RowMajor> W(w, d_out, d_in);
   Eigen::Map<const RowMajor> X(x, n, d_in);
-  Eigen::Map<RowMajor> Out(out, n, d_out);
-  Eigen::setNbThreads(threads_);  // a plain store: this backend's count, whatever another backend set
-  // One position is a matrix-vector product (Eigen dispatches it to GEMV), many are a GEMM.
-  Out.noalias() = X * W.transpose();
+  const int columns_per_task = matmul_columns_per_task(n, d_in, d_out);
+  pool_->run((d_out + columns_per_task - 1) / columns_per_task, [&](int task) {
+    const int first = task * columns_per_task, columns = std::min(columns_per_task, d_out - first);
+    Eigen::Map<const RowMajor> W(w + std::size_t(first) * d_in, columns, d_in);     // (columns, d_in)
+    Eigen::Map<RowMajor, 0, Strided> Out(out + first, n, columns, Strided(d_out));  // (n, columns)
+    // One position is a matrix-vector product (Eigen dispatches it to GEMV), many are a GEMM.
+    Out.noalias() = X * W.transpose();
+  });
 }
 
 void CpuBackend::rmsnorm(float* out, const float* x, const float* weight, int n, int dim) {
@@ -167,49 +199,58 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
     float* scores_mem = scratch.data() + h * head_stride;
     for (int q0 = 0; q0 < n; q0 += kQueryBlock) {
       const int nq = std::min(kQueryBlock, n - q0);
-      // Rows past the block's last query position are future for every query of the block: not even
-      // multiplied.
-      const int rows = kv.rows_to_visit(pos + q0 + nq - 1);
-      Eigen::Map<const RowMajor, 0, Strided> K(kv.keys + kv_head * head_dim, rows, head_dim, Strided(kv.row_stride));
-      Eigen::Map<const RowMajor, 0, Strided> V(kv.values + kv_head * head_dim, rows, head_dim, Strided(kv.row_stride));
+      const int first_query = pos + q0, last_query = pos + q0 + nq - 1;
+      // The rows the block reads, [begin, end). Rows past its last query are future for every query of the
+      // block: not even multiplied. Where each query's visible rows are one run (visible_rows), the block
+      // reads the union of the runs, every row of which some query sees; elsewhere key_visible decides row
+      // by row below.
+      int begin = 0, end = kv.rows_to_visit(last_query), first_end = 0, last_begin = 0;
+      const bool runs = kv.visible_rows(first_query, begin, first_end) && kv.visible_rows(last_query, last_begin, end);
+      const int rows = end - begin;
+      Eigen::Map<const RowMajor, 0, Strided> K(kv.keys + std::size_t(begin) * kv.row_stride + kv_head * head_dim, rows,
+                                               head_dim, Strided(kv.row_stride));
+      Eigen::Map<const RowMajor, 0, Strided> V(kv.values + std::size_t(begin) * kv.row_stride + kv_head * head_dim,
+                                               rows, head_dim, Strided(kv.row_stride));
       Eigen::Map<const RowMajor, 0, Strided> Q(q + std::size_t(q0) * dim + h * head_dim, nq, head_dim, Strided(dim));
       Eigen::Map<RowMajor, 0, Strided> O(out + std::size_t(q0) * dim + h * head_dim, nq, head_dim, Strided(dim));
-      Eigen::Map<RowMajor> S(scores_mem, nq, rows);  // (nq, rows)
-      // The scale is applied in the masking loop below: folded into the product, it makes Eigen allocate
+      Eigen::Map<RowMajor> S(scores_mem, nq, rows);  // (nq, rows): row r of S is view row begin + r
+      // The scale is applied to the visible scores below: folded into the product, it makes Eigen allocate
       // a temporary for a single query, i.e. on every decode step.
       S.noalias() = Q * K.transpose();
       // A row that no query of the block may see (an empty slot, a row outside the window) must not enter
       // the product below, whatever its bytes. Checked at the block's first and last query: a row only a
       // middle query sees is flagged too, which costs the exact path below, never a wrong result.
-      // A contiguous view with no window needs no check: its rows (cut at the block's last query above)
-      // are all visible to that query.
       bool unseen_row = false;
-      const bool may_hide_rows = kv.row_positions || kv.window.size > 0;
-      for (int r = 0; r < rows && may_hide_rows && !unseen_row; ++r)
-        unseen_row = !key_visible(pos + q0 + nq - 1, kv.position_of(r), kv.window) &&
-                     !key_visible(pos + q0, kv.position_of(r), kv.window);
+      for (int r = 0; r < rows && !runs && !unseen_row; ++r)
+        unseen_row = !key_visible(last_query, kv.position_of(r), kv.window) &&
+                     !key_visible(first_query, kv.position_of(r), kv.window);
       for (int i = 0; i < nq; ++i) {
         float* s = S.row(i).data();
-        const int query_pos = pos + q0 + i;
-        float max_score = minus_inf;
-        for (int r = 0; r < rows; ++r) {
-          s[r] = key_visible(query_pos, kv.position_of(r), kv.window) ? s[r] * scale : minus_inf;
-          max_score = std::max(max_score, s[r]);
+        const int query_pos = first_query + i;
+        int visible_begin = 0, visible_end = rows;
+        if (runs) {  // the query's run, then every score outside it a weight of 0
+          kv.visible_rows(query_pos, visible_begin, visible_end);
+          visible_begin -= begin;
+          visible_end -= begin;
+          std::fill(s, s + visible_begin, 0.0f);
+          std::fill(s + visible_end, s + rows, 0.0f);
+        } else {  // a masked score is -inf: a weight of exactly 0 after the softmax
+          for (int r = 0; r < rows; ++r)
+            if (!key_visible(query_pos, kv.position_of(r), kv.window)) s[r] = minus_inf;
+          if (std::find_if(s, s + rows, [&](float v) { return v != minus_inf; }) == s + rows) visible_end = 0;
         }
-        if (max_score == minus_inf) {  // nothing visible (only a deliberately broken cache gets here)
+        if (visible_end <= visible_begin) {  // nothing visible (only a deliberately broken cache gets here)
           std::fill(s, s + rows, 0.0f);
           continue;
         }
-        float sum = 0.0f;
-        for (int r = 0; r < rows; ++r) sum += (s[r] = std::exp(s[r] - max_score));
-        const float inv_sum = 1.0f / sum;
-        for (int r = 0; r < rows; ++r) s[r] *= inv_sum;
+        Eigen::Map<Eigen::ArrayXf>(s + visible_begin, visible_end - visible_begin) *= scale;
+        softmax(s + visible_begin, visible_end - visible_begin);
       }
-      if (weights)  // the rows cut off above are future for every query of the block: weight 0
+      if (weights)  // rows outside [begin, end) are invisible to every query of the block: weight 0
         for (int i = 0; i < nq; ++i) {
           float* observed = weights + (std::size_t(q0 + i) * shape.n_heads + h) * kv.rows;
-          std::copy(S.row(i).data(), S.row(i).data() + rows, observed);
-          std::fill(observed + rows, observed + kv.rows, 0.0f);
+          std::fill(observed, observed + kv.rows, 0.0f);
+          std::copy(S.row(i).data(), S.row(i).data() + rows, observed + begin);
         }
       if (!unseen_row) {
         O.noalias() = S * V;  // every row is seen by some query of the block: its bytes are real keys/values
@@ -219,20 +260,17 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
       // NaN, so the output sums over the visible rows only.
       for (int i = 0; i < nq; ++i) {
         O.row(i).setZero();
-        const int query_pos = pos + q0 + i;
+        const int query_pos = first_query + i;
         for (int r = 0; r < rows; ++r)
           if (key_visible(query_pos, kv.position_of(r), kv.window)) O.row(i).noalias() += S(i, r) * V.row(r);
       }
     }
   };
-  // Heads are independent: one per thread. A one-thread OpenMP region is avoided, not just disabled with
-  // if(): libgomp allocates a team for it on every call, i.e. on every decode step.
-  if (threads_ > 1 && shape.n_heads > 1) {
-#pragma omp parallel for schedule(static) num_threads(threads_)
-    for (int h = 0; h < shape.n_heads; ++h) one_head(h);
-  } else {
-    for (int h = 0; h < shape.n_heads; ++h) one_head(h);
-  }
+  // Heads are independent: a task each, on other threads only when there is enough work to pay for it
+  // (kTaskMultiplyAdds; with the shipped model, decode from ~500 positions on). Same results either way.
+  const std::int64_t multiply_adds = 2 * std::int64_t(n) * kv.rows * shape.n_heads * head_dim;
+  if (multiply_adds >= 2 * kTaskMultiplyAdds) pool_->run(shape.n_heads, one_head);
+  else for (int h = 0; h < shape.n_heads; ++h) one_head(h);
 }
 
 void CpuBackend::write_rows(float* rows, int row_stride, const int* slots, const float* src, int n, int width) {
@@ -241,10 +279,9 @@ void CpuBackend::write_rows(float* rows, int row_stride, const int* slots, const
 }
 
 void CpuBackend::swiglu(float* gate, const float* up, std::size_t count) {
-  for (std::size_t i = 0; i < count; ++i) {
-    const float g = gate[i];
-    gate[i] = g / (1.0f + std::exp(-g)) * up[i];
-  }
+  // silu(g) * up, vectorised (Eigen's exp).
+  Eigen::Map<Eigen::ArrayXf> g(gate, count);
+  g = g / (1.0f + (-g).exp()) * Eigen::Map<const Eigen::ArrayXf>(up, count);
 }
 
 void CpuBackend::add(float* x, const float* y, std::size_t count) {

@@ -1,14 +1,19 @@
 #pragma once
 // The CPU backend: Eigen maps over the weights (no copies), Eigen's GEMM for many positions and GEMV for
-// one, OpenMP across attention heads.
+// one; a team of threads of its own (worker_pool.h) splits products by output columns and attention by head.
+#include <memory>
+
 #include "backend.h"
 
 namespace kvs {
+
+class WorkerPool;
 
 class CpuBackend final : public Backend {
  public:
   // threads: cores for Eigen's matrix products and attention heads (0 = all cores).
   explicit CpuBackend(int threads = 0);
+  ~CpuBackend() override;
   const char* name() const override { return "cpu (Eigen)"; }
   std::string describe() const override;
   bool host_memory() const override { return true; }
@@ -43,6 +48,7 @@ class CpuBackend final : public Backend {
 
  private:
   int threads_;
+  std::unique_ptr<WorkerPool> pool_;
 };
 
 }  // namespace kvs

@@ -9,6 +9,7 @@
 #include "preallocated_kv_cache.h"
 #include "profiling_backend.h"
 #include "timing.h"
+#include "worker_pool.h"
 
 namespace kvs::ch03 {
 
@@ -27,15 +28,17 @@ double measure_read_gbs(std::int64_t bytes, int threads) {
   const int passes = static_cast<int>(std::clamp<std::int64_t>(std::int64_t(500'000'000) / (n * 4) / 250, 1, 100000));
   double best = 0;
   volatile double sink = 0;  // the sums are stored, so the reads cannot be optimised away
+  WorkerPool pool(threads);  // the kind of team the CPU backend runs on
+  std::vector<double> sums(threads);
   for (int trial = 0; trial < 7; ++trial) {  // the first is the warm-up (pages touched, caches filled)
     const Stopwatch timer;
     for (int p = 0; p < passes; ++p) {
-      double sum = 0;
-#pragma omp parallel for reduction(+ : sum) num_threads(threads) schedule(static)
-      for (int t = 0; t < threads; ++t) {
+      pool.run(threads, [&](int t) {
         const std::int64_t begin = n * t / threads, end = n * (t + 1) / threads;
-        sum += Eigen::Map<const Eigen::ArrayXf>(data.data() + begin, end - begin).sum();  // vectorised read
-      }
+        sums[t] = Eigen::Map<const Eigen::ArrayXf>(data.data() + begin, end - begin).sum();  // vectorised read
+      });
+      double sum = 0;
+      for (double part : sums) sum += part;
       sink = sink + sum;
     }
     const double seconds = timer.milliseconds() / 1000;
