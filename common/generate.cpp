@@ -17,6 +17,12 @@ double Generation::decode_percentile_ms(double q) const {
   return step_ms.size() < 2 ? 0.0 : percentile(std::vector<double>(step_ms.begin() + 1, step_ms.end()), q);
 }
 
+double Generation::total_ms() const {
+  double total = 0;
+  for (double ms : step_ms) total += ms;
+  return total;
+}
+
 namespace {
 
 Generation start(std::span<const int> prompt, int max_new_tokens) {

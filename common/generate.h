@@ -19,6 +19,7 @@ struct Generation {
   double ttft_ms() const { return step_ms.empty() ? 0.0 : step_ms[0]; }
   double decode_median_ms() const;  // median of step_ms[1..]; 0 without decode steps
   double decode_percentile_ms(double q) const;  // percentile q of step_ms[1..] (timing.h); 0 without decode steps
+  double total_ms() const;  // the whole generation, prefill and every decode step: what the user waited
   double decode_tokens_per_s() const {
     const double ms = decode_median_ms();
     return ms > 0 ? 1000.0 / ms : 0.0;

@@ -39,10 +39,7 @@ int compare(const Run& reference, const Run& run, int prompt_len, float& worst) 
   return e.steps - (e.near_tie >= 0 ? 1 : 0);  // tokens compared before the first near-tie
 }
 
-std::string validation_text() {
-  std::ifstream in(find_data_file("kjv/valid.txt"), std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
+using test::validation_text;
 
 // Every cache policy on `backend_name` reproduces naive greedy decoding on the CPU (on a backend other than
 // the CPU, naive decoding there too).

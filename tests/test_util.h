@@ -15,11 +15,18 @@
 #include <vector>
 
 #include "checkpoint.h"
+#include "cli.h"
 #include "cpu_backend.h"
 
 namespace kvs::test {
 
 inline std::string golden_path(const std::string& file) { return std::string(KVS_GOLDEN_DIR) + "/" + file; }
+
+// The shipped model's held-out text (data/kjv/valid.txt), whole.
+inline std::string validation_text() {
+  std::ifstream in(find_data_file("kjv/valid.txt"), std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
 
 // Under AddressSanitizer + UBSan (the `sanitize` test preset sets KVS_SANITIZE=1) the code runs several
 // times slower and both cores already run a test each: the long shipped-model comparisons use shorter

@@ -34,7 +34,8 @@ int main(int argc, char** argv) {
       "analytic and allocated bytes, peak RSS growth, per-token KV bytes of well-known models and the\n"
       "context wall for --memory-budget go to stderr.\n"
       "CSV columns (--csv): prompt_tokens, new_tokens, prefill_chunk, prefill_ms, decode_ms_median,\n"
-      "tokens_per_s, cache_positions, analytic_bytes, allocated_bytes, resident_bytes, peak_rss_growth_bytes.");
+      "tokens_per_s, cache_positions, analytic_bytes, allocated_bytes, resident_bytes, peak_rss_growth_bytes,\n"
+      "decode_ms_p99, total_ms (prefill + decode).");
   kvs::add_common_flags(parser, options, '"' + std::string(kDefaultPrompt) + '"');
   parser.add_int("--max-context", "positions to allocate the cache for (default: prompt + new tokens)", &max_context, 1,
                  1 << 21);
@@ -60,7 +61,7 @@ int main(int argc, char** argv) {
                      (prefill_chunk > 0 ? kvs::kv_cache_bytes(c, rt.prompt.size()) : 0));
     kvs::CsvWriter csv({"--csv", options.csv},
                        "prompt_tokens,new_tokens,prefill_chunk,prefill_ms,decode_ms_median,tokens_per_s,"
-                       "cache_positions,analytic_bytes,allocated_bytes,resident_bytes,peak_rss_growth_bytes",
+                       "cache_positions,analytic_bytes,allocated_bytes,resident_bytes,peak_rss_growth_bytes,decode_ms_p99,total_ms",
                        rt.inputs());
     std::cerr << rt.describe() << "\n" << options.max_new_tokens << " new tokens after a " << rt.prompt.size()
               << "-token prompt, prefill " << (prefill_chunk ? "in chunks of " + std::to_string(prefill_chunk) : "in one pass")
@@ -90,9 +91,10 @@ int main(int argc, char** argv) {
     if (options.max_new_tokens > 0)
       std::fprintf(stderr, "\n\nprefill (time to first token): %.2f ms for %zu positions\n", g.ttft_ms(), rt.prompt.size());
     if (options.max_new_tokens > 1)
-      std::fprintf(stderr, "decode: median %.4f ms per token, %.0f tokens/s; heap allocations during the %d decode "
-                           "steps: %ld\n", g.decode_median_ms(), g.decode_tokens_per_s(), options.max_new_tokens - 1,
-                   decode_allocations);
+      std::fprintf(stderr, "decode: p50 %.4f ms, p99 %.4f ms per token (%.0f tokens/s at the p50); heap allocations "
+                           "during the %d decode steps: %ld\n", g.decode_median_ms(), g.decode_percentile_ms(99),
+                   g.decode_tokens_per_s(), options.max_new_tokens - 1, decode_allocations);
+    if (options.max_new_tokens > 0) std::fprintf(stderr, "the whole generation (prefill + decode): %.1f ms\n", g.total_ms());
 
     if (prefill_chunk > 0 && options.max_new_tokens > 0) {
       // Chunked prefill must give the logits of one-shot prefill: compare on a fresh cache.
@@ -121,7 +123,8 @@ int main(int argc, char** argv) {
                  kvs::format_bytes(std::max<std::int64_t>(0, rss_growth)).c_str());
     kvs::ch03::print_memory_comparison(c, budget);
     csv.row(rt.prompt.size(), options.max_new_tokens, prefill_chunk, g.ttft_ms(), g.decode_median_ms(),
-            g.decode_tokens_per_s(), max_context, analytic, cache.allocated_bytes(), resident, rss_growth);
+            g.decode_tokens_per_s(), max_context, analytic, cache.allocated_bytes(), resident, rss_growth,
+            g.decode_percentile_ms(99), g.total_ms());
     csv.commit();
     if (csv.enabled()) std::cerr << "wrote " << csv.path() << "\n";
     return 0;

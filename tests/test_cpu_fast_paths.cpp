@@ -1,0 +1,166 @@
+// The CPU backend's fast paths against the plain definitions they replace: its team of threads (every
+// task exactly once; work really handed to another thread), attention's run of visible rows against
+// key_visible row by row, matrix products split into tasks against a plain loop, and results that do not
+// depend on the thread count, bit for bit.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "cpu_backend.h"
+#include "generate.h"
+#include "kv_cache.h"
+#include "model.h"
+#include "03_preallocated_cache/preallocated_kv_cache.h"
+#include "cli.h"
+#include "sampler.h"
+#include "test_util.h"
+#include "tokenizer.h"
+#include "worker_pool.h"
+
+using namespace kvs;
+
+TEST_CASE("worker pool: every task runs exactly once, for 0 to 70 tasks, on 1, 2 and 3 threads, job after job") {
+  for (int threads : {1, 2, 3}) {
+    CAPTURE(threads);
+    WorkerPool pool(threads);
+    CHECK(pool.threads() == threads);
+    std::vector<std::atomic<int>> runs(70);
+    for (int round = 0; round < 3; ++round)
+      for (int tasks = 0; tasks <= 70; ++tasks) {
+        for (auto& r : runs) r = 0;
+        pool.run(tasks, [&](int i) { runs[i].fetch_add(1); });
+        int wrong = 0;
+        for (int i = 0; i < 70; ++i) wrong += runs[i].load() != (i < tasks ? 1 : 0);
+        CHECK(wrong == 0);
+      }
+  }
+}
+
+TEST_CASE("worker pool: a worker takes the tasks the caller has not claimed, also after sleeping") {
+  // Task 0 (claimed first, by the caller) waits until task 1 has started: only another thread can start
+  // it. A pool whose workers never run anything hangs here; the wait gives up after 10 s and fails instead.
+  WorkerPool pool(2);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (attempt == 1) std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the worker goes to sleep
+    std::atomic<bool> second_started{false};
+    std::atomic<std::thread::id> second_thread{};
+    bool waited = false;
+    pool.run(2, [&](int i) {
+      if (i == 1) {
+        second_thread = std::this_thread::get_id();
+        second_started = true;
+        return;
+      }
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (!second_started && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+      waited = second_started;
+    });
+    CAPTURE(attempt);
+    CHECK(waited);
+    CHECK(second_thread.load() != std::this_thread::get_id());
+  }
+}
+
+TEST_CASE("visible rows: the run of rows visible_rows gives is exactly the rows key_visible shows, at every boundary") {
+  for (int first_position : {0, 5})
+    for (const Window window : {Window{0, 0}, Window{1, 0}, Window{6, 0}, Window{40, 0}})
+      for (int rows : {0, 1, 7, 33}) {
+        const KvView view{.rows = rows, .first_position = first_position, .window = window};
+        for (int query = first_position - 3; query <= first_position + rows + 8; ++query) {
+          CAPTURE(first_position);
+          CAPTURE(window.size);
+          CAPTURE(rows);
+          CAPTURE(query);
+          int begin = -1, end = -1;
+          REQUIRE(view.visible_rows(query, begin, end));
+          REQUIRE(0 <= begin);
+          REQUIRE(begin <= end);
+          REQUIRE(end <= rows);
+          int disagree = 0;
+          for (int r = 0; r < rows; ++r)
+            disagree += key_visible(query, view.position_of(r), window) != (begin <= r && r < end);
+          CHECK(disagree == 0);
+        }
+      }
+  // Where the visible rows need not be one run, it says so (attention then asks key_visible row by row).
+  const int positions[3] = {0, -1, 1};
+  int begin = 0, end = 0;
+  CHECK_FALSE((KvView{.rows = 3, .row_positions = positions}.visible_rows(1, begin, end)));
+  CHECK_FALSE((KvView{.rows = 3, .window = Window{4, 1}}.visible_rows(1, begin, end)));
+}
+
+namespace {
+
+// out (n, d_out) = x (n, d_in) · wᵀ, w (d_out, d_in), in double: what the backend's matmul computes.
+std::vector<float> plain_matmul(const std::vector<float>& x, const std::vector<float>& w, int n, int d_in, int d_out) {
+  std::vector<float> out(std::size_t(n) * d_out);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < d_out; ++j) {
+      double sum = 0;
+      for (int k = 0; k < d_in; ++k) sum += double(x[std::size_t(i) * d_in + k]) * w[std::size_t(j) * d_in + k];
+      out[std::size_t(i) * d_out + j] = static_cast<float>(sum);
+    }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("matmul: split into tasks of output columns, it equals a plain loop, and 1 and 2 threads give the same bits") {
+  // Shapes whose products are split into several tasks (>= 2^17 multiply-adds each), with a last task
+  // shorter than the others, and the shipped model's shapes, which run as one task.
+  struct Shape {
+    int n, d_in, d_out;
+  };
+  std::mt19937 gen(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const Shape s : {Shape{1, 300, 1000}, Shape{5, 257, 777}, Shape{64, 128, 384}, Shape{1, 128, 384}, Shape{1, 384, 128}}) {
+    CAPTURE(s.n);
+    CAPTURE(s.d_in);
+    CAPTURE(s.d_out);
+    std::vector<float> x(std::size_t(s.n) * s.d_in), w(std::size_t(s.d_out) * s.d_in);
+    for (float& v : x) v = normal(gen);
+    for (float& v : w) v = normal(gen);
+    const std::vector<float> expected = plain_matmul(x, w, s.n, s.d_in, s.d_out);
+    std::vector<float> one(expected.size()), two(expected.size());
+    CpuBackend(1).matmul(one.data(), x.data(), w.data(), s.n, s.d_in, s.d_out);
+    CpuBackend(2).matmul(two.data(), x.data(), w.data(), s.n, s.d_in, s.d_out);
+    // Sums of up to 384 products of N(0, 1) values: |sum| ~ 20, float rounding ~1e-5 of that.
+    float worst = 0;
+    for (std::size_t i = 0; i < expected.size(); ++i) worst = std::max(worst, std::abs(one[i] - expected[i]));
+    CHECK(worst <= 1e-3f);
+    CHECK(std::memcmp(one.data(), two.data(), one.size() * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("threads: 1 and 2 threads give bit-identical logits and the same greedy and sampled tokens") {
+  // A 700-position prompt: the prefill's products are split into many tasks and every decode step's
+  // attention is handed to the second thread (over 2^18 multiply-adds), so both split paths run.
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const std::vector<int> prompt = encode_bytes(test::validation_text().substr(0, 700));
+  for (const float temperature : {0.0f, 0.8f}) {
+    CAPTURE(temperature);
+    std::vector<std::vector<float>> logits[2];
+    std::vector<int> tokens[2];
+    for (int threads : {1, 2}) {
+      CpuBackend backend(threads);
+      Model model(checkpoint, backend);
+      ch03::PreallocatedKvCache cache(backend, checkpoint.config(), 760);
+      Sampler sampler(checkpoint.config().vocab_size, {.temperature = temperature, .top_k = 20, .seed = 7});
+      auto& seen = logits[threads - 1];
+      tokens[threads - 1] = generate_cached(model, cache, sampler, prompt, 50, 0, {}, [&](int, std::span<const float> l) {
+                              seen.emplace_back(l.begin(), l.end());
+                            }).tokens;
+    }
+    CHECK(tokens[0] == tokens[1]);
+    REQUIRE(logits[0].size() == logits[1].size());
+    int different_steps = 0;
+    for (std::size_t s = 0; s < logits[0].size(); ++s)
+      different_steps += std::memcmp(logits[0][s].data(), logits[1][s].data(), logits[0][s].size() * sizeof(float)) != 0;
+    CHECK(different_steps == 0);
+  }
+}
