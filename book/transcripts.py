@@ -65,6 +65,8 @@ def shrink(command):
         command += " --prompts 1 --seeds 1 --max-new-tokens 8"
     if "06_break_off_by_one" in command and "--experiment probes" in command:
         command += " --prompts 2 --probe-tokens 5,20"
+    if "busy_machine.sh" in command:
+        command = re.sub(r"--runs \d+", "--runs 1", command) + " --tokens 20"
     if "kvs_tests" in command:
         command += " --list-test-cases"
     return command

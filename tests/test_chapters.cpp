@@ -203,11 +203,12 @@ TEST_CASE("03_benchmark --breakdown: one row per length, the parts add up to the
   REQUIRE(lines.size() == 3);  // the header and one row per length
   CHECK(lines[0] == std::vector<std::string>{"prompt_tokens", "step_ms_mean", "step_ms_p50", "step_ms_p99", "matmul_ms",
                                              "attention_ms", "other_ms", "weight_bytes", "kv_bytes", "achieved_gbs",
-                                             "limit_gbs", "threads", "operations", "graph_ms_p50"});
+                                             "limit_gbs", "threads", "operations", "graph_ms_p50", "prefill_ms",
+                                             "prefill_gflops", "peak_gflops"});
   for (std::size_t row = 1; row < lines.size(); ++row) {
     std::vector<double> f;
     for (const std::string& field : lines[row]) f.push_back(std::stod(field));
-    REQUIRE(f.size() == 14);
+    REQUIRE(f.size() == 17);
     // No timing is compared: the split comes from a second run, and a loaded machine moves either (no timed
     // assertions in tests). Each part was measured.
     CHECK(f[1] > 0);
@@ -216,6 +217,8 @@ TEST_CASE("03_benchmark --breakdown: one row per length, the parts add up to the
     CHECK(f[10] > 0);  // a measured bandwidth
     CHECK(f[12] == 17 * 2 + 6);  // operations per decode step: 17 per layer (2 here) and 6 more (see book/07)
     CHECK(f[13] == 0);           // the CPU backend cannot record a step
+    CHECK(f[15] > 0);            // prefill's rate and the peak it is compared with were measured
+    CHECK(f[16] > 0);
   }
   CHECK(run_command(bench + " --breakdown --repeats 2").exit_code == 2);
 }

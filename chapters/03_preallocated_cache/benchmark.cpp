@@ -56,7 +56,8 @@ int main(int argc, char** argv) {
       "the device's copy bandwidth).\n"
       "  CSV (--csv): prompt_tokens, step_ms_mean, step_ms_p50, step_ms_p99, matmul_ms, attention_ms, other_ms,\n"
       "  weight_bytes, kv_bytes, achieved_gbs, limit_gbs, threads, operations (backend operations per step),\n"
-      "  graph_ms_p50 (the step replayed as a CUDA graph; 0 where the backend cannot record).\n"
+      "  graph_ms_p50 (the step replayed as a CUDA graph; 0 where the backend cannot record), prefill_ms,\n"
+      "  prefill_gflops (the prompt's forward pass: its GFLOP/s), peak_gflops (a 1024^3 matrix product's GFLOP/s).\n"
       "--context-wall: instead of the sweep, the longest KV cache that fits, measured: preallocated caches of\n"
       "1024, 2048, 4096, ... positions, each allocated and its last position written, until the memory refuses\n"
       "one (a GPU's allocator; on the CPU, which backs pages lazily, --memory-limit), then bisection to 0.1%;\n"
@@ -131,7 +132,8 @@ int main(int argc, char** argv) {
       std::cerr << rt.describe() << "\n";
       kvs::CsvWriter breakdown_csv({"--csv", options.csv},
                                    "prompt_tokens,step_ms_mean,step_ms_p50,step_ms_p99,matmul_ms,attention_ms,other_ms,"
-                                   "weight_bytes,kv_bytes,achieved_gbs,limit_gbs,threads,operations,graph_ms_p50", inputs);
+                                   "weight_bytes,kv_bytes,achieved_gbs,limit_gbs,threads,operations,graph_ms_p50,"
+                                   "prefill_ms,prefill_gflops,peak_gflops", inputs);
       kvs::ch03::decode_breakdown(rt, all_tokens, lengths, options.max_new_tokens, breakdown_csv);
       if (breakdown_csv.enabled()) std::cerr << "wrote " << breakdown_csv.path() << "\n";
       return 0;

@@ -20,6 +20,31 @@ StepBytes decode_step_bytes(const ModelConfig& c, int positions) {
   return {floats * 4, 2 * std::int64_t(c.n_layers) * kv * positions * 4};
 }
 
+double prefill_flops(const ModelConfig& c, int positions) {
+  const double n = positions, dim = c.dim, kv = c.kv_dim(), hidden = c.hidden_dim;
+  const double products = n * (2 * dim * dim + 2 * kv * dim + 3 * hidden * dim);    // per layer
+  const double attention = 2 * c.n_heads * c.head_dim() * n * (n + 1);  // scores and weighted sum, causal
+  return 2 * c.n_layers * products + c.n_layers * attention + 2.0 * c.vocab_size * dim;  // + the last row's logits
+}
+
+double measure_matmul_gflops(Backend& backend) {
+  constexpr int kSize = 1024;
+  const std::size_t floats = std::size_t(kSize) * kSize;
+  Buffer x(backend, floats), w(backend, floats), out(backend, floats);
+  const std::vector<float> ones(floats, 1.0f / kSize);
+  backend.from_host(x.data(), ones.data(), floats);
+  backend.from_host(w.data(), ones.data(), floats);
+  double best = 0;
+  for (int trial = 0; trial < 6; ++trial) {  // the first is the warm-up
+    backend.synchronize();
+    const Stopwatch timer;
+    backend.matmul(out.data(), x.data(), w.data(), kSize, kSize, kSize);
+    backend.synchronize();
+    if (trial > 0) best = std::max(best, 2.0 * kSize * kSize * kSize / (timer.milliseconds() / 1000) / 1e9);
+  }
+  return best;
+}
+
 double measure_read_gbs(std::int64_t bytes, int threads) {
   const std::int64_t n = std::max<std::int64_t>(bytes / 4, 1024);
   std::vector<float> data(n, 1.0f);
@@ -86,6 +111,14 @@ void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vecto
     Sampler greedy(c.vocab_size, {});
     return generate_cached(m, cache, greedy, tokens.first(prompt_len), new_tokens, 0, {}, on_logits, {}, steps);
   };
+  struct Prefill {
+    int positions;
+    double ms, gflop;
+  };
+  std::vector<Prefill> prefills;
+  // Prefill is the other regime: every weight is read once for many positions, so arithmetic limits it and
+  // its yardstick is a large matrix product on the same backend, not bandwidth.
+  const double peak = measure_matmul_gflops(rt.backend);
   // Warm-up, untimed: the first length would otherwise pay for cold caches and first-touch pages.
   run(rt.model, rt.backend, std::min(lengths.front(), c.seq_len - new_tokens), DecodeSteps::kForward);
   for (int length : lengths) {
@@ -95,6 +128,7 @@ void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vecto
     run(model, profiled, prompt_len, DecodeSteps::kForward, [&](int step, std::span<const float>) {
       if (step == 0) profiled.reset();
     });
+    prefills.push_back({prompt_len, g.ttft_ms(), prefill_flops(c, prompt_len) / 1e9});
     const int steps = new_tokens - 1;
     const double matmul = profiled.milliseconds(OpKind::kMatmul) / steps,
                  attention = profiled.milliseconds(OpKind::kAttention) / steps,
@@ -114,9 +148,16 @@ void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vecto
     if (graph) std::fprintf(stderr, "  %9.4f", graph_p50);
     std::fprintf(stderr, "\n");
     csv.row(prompt_len, mean, g.decode_percentile_ms(50), g.decode_percentile_ms(99), matmul, attention, other,
-            bytes.weights, bytes.kv, achieved, limit, threads, operations / steps, graph_p50);
+            bytes.weights, bytes.kv, achieved, limit, threads, operations / steps, graph_p50, g.ttft_ms(),
+            prefill_flops(c, prompt_len) / 1e9 / (g.ttft_ms() / 1000), peak);
     csv.commit();
   }
+  std::fprintf(stderr, "\nprefill (time to first token, from the same runs): its floating-point work against this\n"
+                       "backend's rate on a 1024 x 1024 x 1024 matrix product, measured now: %.1f GFLOP/s\n\n", peak);
+  std::fprintf(stderr, "  %7s %11s %9s %9s %8s\n", "context", "prefill ms", "GFLOP", "GFLOP/s", "of peak");
+  for (const Prefill& p : prefills)
+    std::fprintf(stderr, "  %7d %11.3f %9.4f %9.1f %7.0f%%\n", p.positions, p.ms, p.gflop, p.gflop / (p.ms / 1000),
+                 100 * p.gflop / (p.ms / 1000) / peak);
 }
 
 }  // namespace kvs::ch03

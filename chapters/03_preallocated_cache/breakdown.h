@@ -20,6 +20,14 @@ struct StepBytes {
 };
 StepBytes decode_step_bytes(const ModelConfig& c, int positions);
 
+// Floating-point operations of the forward pass over a prompt of `positions` (its products, causal attention
+// and the last position's logits): prefill's work, against which its time is a rate.
+double prefill_flops(const ModelConfig& c, int positions);
+
+// GFLOP/s of a 1024 x 1024 x 1024 matrix product through the backend's own matmul, best of several after a
+// warm-up: the arithmetic peak prefill could reach on this machine, with these threads.
+double measure_matmul_gflops(Backend& backend);
+
 // Read bandwidth in GB/s (1e9 bytes/s) of summing `bytes` of floats, on `threads` threads (each its own
 // contiguous part), best of several timed passes after a warm-up: the limit a decode step that reads as much
 // could reach.
