@@ -10,6 +10,7 @@ build/release/bin/03_benchmark --lengths 32,64,128,256,512,1024,1536,2048 \
   --csv plots/data/speedup.csv --memory-csv plots/data/cache_memory.csv "$@"
 build/release/bin/03_benchmark --breakdown --lengths 32,128,256,512,1024,1536,2048 --max-new-tokens 200 --threads 1 \
   --csv plots/data/decode_breakdown.csv "$@"
+bash chapters/03_preallocated_cache/busy_machine.sh --runs 3 --csv plots/data/busy_machine.csv
 # Chapter 04: what a window costs, and what it saves.
 ch04=build/release/bin/04_sliding_window
 "$ch04" --experiment perplexity --csv plots/data/window_perplexity.csv "$@"
