@@ -38,10 +38,12 @@ int matmul_columns_per_task(int n, int d_in, int d_out) {
 
 // Softmax in place over s[0, count): scaled scores in, probabilities out. Vectorised: Eigen's exp runs on
 // whole SIMD registers (std::exp in a loop ran one float at a time and was most of attention's time at long
-// context); a -inf score (a masked row) becomes exactly 0.
+// context). A -inf score (a masked row) weighs exactly 0: selected, because Eigen's exp clamps its argument
+// on some instruction sets (built without -march=native, exp(-inf) came out as 2e-36).
 void softmax(float* s, int count) {
   Eigen::Map<Eigen::ArrayXf> a(s, count);
-  a = (a - a.maxCoeff()).exp();
+  const float max = a.maxCoeff();
+  a = (a == -std::numeric_limits<float>::infinity()).select(0.0f, (a - max).exp());
   a *= 1.0f / a.sum();
 }
 
