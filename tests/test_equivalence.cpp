@@ -221,7 +221,7 @@ TEST_CASE("threads: two backends in one process each keep their own thread count
   token = sampler.sample(model.forward(std::span<const int>(&token, 1), 500, &cache));
   const long before = heap_allocations();
   for (int pos = 501; pos < 551; ++pos) token = sampler.sample(model.forward(std::span<const int>(&token, 1), pos, &cache));
-  CHECK(heap_allocations() - before == 0);  // a one-thread OpenMP team per layer per step allocated 250 times
+  CHECK(heap_allocations() - before == 0);  // the OpenMP backend once allocated a one-thread team 250 times here
   CHECK(two.threads() == 2);  // each backend owns its team: building `one` changed nothing of `two`'s
   CHECK(one.threads() == 1);
 }

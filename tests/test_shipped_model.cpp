@@ -93,7 +93,7 @@ TEST_CASE("shipped model: the C++ evaluator equals PyTorch's bits per byte withi
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   CpuBackend backend(test::test_threads());
   Model model(checkpoint, backend);
-  const std::string text = slurp(find_data_file("kjv/valid.txt")).substr(0, bytes);
+  const std::string text = test::validation_text().substr(0, bytes);
   const Perplexity p = evaluate_perplexity(model, encode_bytes(text), context);
   MESSAGE("C++ " << p.bits_per_byte << " bits/byte, PyTorch " << reference);
   CHECK(std::abs(p.bits_per_byte - reference) < 0.01);
