@@ -6,8 +6,9 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
-#include <string>
 #include <new>
+#include <string>
+#include <type_traits>
 
 #include "cli.h"
 #include "rope.h"
@@ -46,6 +47,94 @@ void softmax(float* s, int count) {
   Eigen::Map<Eigen::ArrayXf> a(s, count);
   a = (a - a.maxCoeff()).exp();
   a *= 1.0f / a.sum();
+}
+
+// ---- decode attention over one run of rows ----
+// Eigen's SIMD registers ("packets"): kLanes floats, 4 with SSE, 8 with AVX, 16 with AVX-512.
+using Packet = Eigen::internal::packet_traits<float>::type;
+constexpr int kLanes = Eigen::internal::packet_traits<float>::size;
+
+// One query (a decode step) over the rows [begin, end) all its heads see, for the query heads of KV heads
+// [c0, c1) (group query heads each); scratch + h · head_stride holds head h's scores, then its weights:
+//   1. one sweep down the rows: each head's score against the row's key of its KV head;
+//   2. each head's softmax;
+//   3. one sweep down the rows: out (heads, head_dim) += weight · the row's value of its KV head.
+// Why sweeps over rows with the heads inside: a cache row holds every KV head side by side (kv_dim floats);
+// Eigen's products (the general path below) run a head at a time, and a head reading its part of each
+// row costs about as much as reading the whole row (the prefetcher fetches the cache lines it skips).
+// Why packets: a dot product of head_dim floats is kPackets multiply-adds and one sum across the register,
+// with kPackets known at compile time (a loop bound known only at run time made it 2x slower). Why kRows
+// rows at a time: their dot products are independent, so the core overlaps them, and out is loaded and
+// stored once per kRows rows. Measured on the shipped model (5 layers, 1984 positions, one thread, AMD EPYC
+// with AVX-512): Eigen's per-head products 0.13-0.19 ms; a row at a time 0.117 ms; 2, 4, 8 and 16 rows at a
+// time 0.110, 0.103, 0.093 and 0.104 ms. __restrict: out and scratch share no memory with the cache or q.
+constexpr int kRows = 8;
+template <int kPackets>
+void attend_one_query(float* __restrict out, const float* q, const KvView& kv, int begin, int end, int c0, int c1,
+                      int group, float scale, float* __restrict scratch, std::size_t head_stride) {
+  using namespace Eigen::internal;
+  constexpr int head_dim = kPackets * kLanes;
+  const int rows = end - begin;
+  const std::size_t stride = kv.row_stride;
+  const float* keys = kv.keys + begin * stride;      // (rows, stride): row r holds view row begin + r
+  const float* values = kv.values + begin * stride;  // (rows, stride)
+
+  // 1. scores of rows r .. r + n - 1
+  auto score_rows = [&]<int n>(int r, std::integral_constant<int, n>) {
+    for (int c = c0; c < c1; ++c) {
+      const float* key = keys + r * stride + c * head_dim;  // row r's key of KV head c; row r + j at j · stride
+      for (int h = c * group; h < (c + 1) * group; ++h) {
+        const float* query = q + h * head_dim;
+        Packet dot[n];
+        for (int j = 0; j < n; ++j) dot[j] = pmul(ploadu<Packet>(query), ploadu<Packet>(key + j * stride));
+        for (int p = 1; p < kPackets; ++p) {
+          const Packet query_part = ploadu<Packet>(query + p * kLanes);
+          for (int j = 0; j < n; ++j) dot[j] = pmadd(query_part, ploadu<Packet>(key + j * stride + p * kLanes), dot[j]);
+        }
+        for (int j = 0; j < n; ++j) scratch[h * head_stride + r + j] = predux(dot[j]);
+      }
+    }
+  };
+  int r = 0;
+  for (; r + kRows <= rows; r += kRows) score_rows(r, std::integral_constant<int, kRows>{});
+  for (; r < rows; ++r) score_rows(r, std::integral_constant<int, 1>{});
+
+  for (int h = c0 * group; h < c1 * group && rows > 0; ++h) {  // 2. weights
+    Eigen::Map<Eigen::ArrayXf>(scratch + h * head_stride, rows) *= scale;
+    softmax(scratch + h * head_stride, rows);
+  }
+
+  // 3. out += the weighted values of rows r .. r + n - 1 (out: a few KB, stays in L1)
+  auto add_value_rows = [&]<int n>(int r, std::integral_constant<int, n>) {
+    for (int c = c0; c < c1; ++c) {
+      const float* value = values + r * stride + c * head_dim;
+      for (int h = c * group; h < (c + 1) * group; ++h) {
+        Packet weight[n];
+        for (int j = 0; j < n; ++j) weight[j] = pset1<Packet>(scratch[h * head_stride + r + j]);
+        float* o = out + h * head_dim;
+        for (int p = 0; p < kPackets; ++p) {
+          Packet sum = ploadu<Packet>(o + p * kLanes);
+          for (int j = 0; j < n; ++j) sum = pmadd(weight[j], ploadu<Packet>(value + j * stride + p * kLanes), sum);
+          pstoreu(o + p * kLanes, sum);
+        }
+      }
+    }
+  };
+  std::fill(out + c0 * group * head_dim, out + c1 * group * head_dim, 0.0f);
+  for (r = 0; r + kRows <= rows; r += kRows) add_value_rows(r, std::integral_constant<int, kRows>{});
+  for (; r < rows; ++r) add_value_rows(r, std::integral_constant<int, 1>{});
+}
+
+// attend_one_query for this head_dim, or null where head_dim is not 1, 2, 4 or 8 packets (the general path).
+using OneQueryKernel = void (*)(float*, const float*, const KvView&, int, int, int, int, int, float, float*, std::size_t);
+OneQueryKernel one_query_kernel(int head_dim) {
+  switch (head_dim % kLanes == 0 ? head_dim / kLanes : 0) {
+    case 1: return attend_one_query<1>;
+    case 2: return attend_one_query<2>;
+    case 4: return attend_one_query<4>;
+    case 8: return attend_one_query<8>;
+    default: return nullptr;
+  }
 }
 
 }  // namespace
@@ -149,6 +238,29 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
   const int group = shape.n_heads / shape.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const float minus_inf = -std::numeric_limits<float>::infinity();
+
+  // Decode over one run of rows (chapters 02 and 03 and naive generation's last position): every head in
+  // sweeps over the rows (attend_one_query). Heads of one KV head stay together on one thread; each head's
+  // arithmetic is the same however the heads are split, so 1 and 2 threads give the same bits.
+  int run_begin = 0, run_end = 0;
+  const OneQueryKernel one_query = n == 1 && !kv.read_rope ? one_query_kernel(head_dim) : nullptr;
+  if (one_query && kv.visible_rows(pos, run_begin, run_end)) {
+    const int run_rows = std::max(0, run_end - run_begin);
+    auto kv_heads = [&](int first_kv_head, int kv_head_count) {
+      const int c1 = first_kv_head + kv_head_count, h0 = first_kv_head * group, h1 = c1 * group;
+      one_query(out, q, kv, run_begin, run_begin + run_rows, first_kv_head, c1, group, scale, scratch.data(), head_stride);
+      if (weights)  // rows outside the run weigh 0
+        for (int h = h0; h < h1; ++h) {
+          float* observed = weights + std::size_t(h) * kv.rows;
+          std::fill(observed, observed + kv.rows, 0.0f);
+          std::copy(scratch.data() + h * head_stride, scratch.data() + h * head_stride + run_rows, observed + run_begin);
+        }
+    };
+    const std::int64_t multiply_adds = 2 * std::int64_t(run_rows) * shape.n_heads * head_dim;
+    if (threads_ > 1 && multiply_adds >= kTaskMultiplyAdds) pool_->run(shape.n_kv_heads, [&](int kv_head) { kv_heads(kv_head, 1); });
+    else kv_heads(0, shape.n_kv_heads);  // one sweep reads each row once
+    return;
+  }
 
   // Keys cached unrotated (chapter 04's streaming variant): a query at a time, each visible key rotated by
   // its position within the window as it is read (kv_cache.h), into one dot product. The softmax and the
