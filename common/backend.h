@@ -50,8 +50,12 @@ class Backend {
   virtual int* allocate_ints(std::size_t count) = 0;  // uninitialised
   virtual void release(int* p) = 0;
   virtual void from_host(int* dst, const int* host, std::size_t count) = 0;
-  // Weights the operations can read. The CPU reads the mapped file in place; a GPU copies it over.
+  // Weights the operations can read, copied into backend memory once and held until the backend is
+  // destroyed: a vector or a table (embedding rows) as it is; a weight matrix (rows, cols), row-major on the
+  // host, in the layout this backend's matmul reads (the CPU stores it transposed, cpu_backend.cpp says why;
+  // a GPU as it is). The host copy (a mapped checkpoint) may go away afterwards.
   virtual const float* upload_weights(const float* host, std::size_t floats) = 0;
+  virtual const float* upload_matrix(const float* host, int rows, int cols) = 0;
   // Within the backend. The two ranges must not overlap (a GPU copy of overlapping ranges is undefined):
   // both backends refuse it (check_no_overlap).
   virtual void copy(float* dst, const float* src, std::size_t floats) = 0;
@@ -78,7 +82,7 @@ class Backend {
   // Integer arguments in backend memory: tokens (n) token ids, positions (n) absolute positions.
   // x (n, dim) = table[tokens[i]] rows
   virtual void embed(float* x, const float* table, const int* tokens, int n, int dim) = 0;
-  // out (n, d_out) = x (n, d_in) · wᵀ, w (d_out, d_in)
+  // out (n, d_out) = x (n, d_in) · wᵀ, w (d_out, d_in) uploaded by upload_matrix(host, d_out, d_in)
   virtual void matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) = 0;
   // out (n, dim) = x / sqrt(mean(x²) + eps) ⊙ weight, row by row
   virtual void rmsnorm(float* out, const float* x, const float* weight, int n, int dim) = 0;

@@ -1,7 +1,10 @@
 #pragma once
-// The CPU backend: Eigen maps over the weights (no copies), Eigen's GEMM for many positions and GEMV for
-// one; a team of threads of its own (worker_pool.h) splits products by output columns and attention by head.
+// The CPU backend: Eigen's GEMM for many positions and GEMV for one, over weight matrices it stores
+// transposed; a team of threads of its own (worker_pool.h) splits products by output columns and attention
+// by head.
+#include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "backend.h"
 
@@ -24,7 +27,10 @@ class CpuBackend final : public Backend {
   int* allocate_ints(std::size_t count) override;
   void release(int* p) override;
   void from_host(int* dst, const int* host, std::size_t count) override;
-  const float* upload_weights(const float* host, std::size_t) override { return host; }
+  const float* upload_weights(const float* host, std::size_t floats) override;
+  const float* upload_matrix(const float* host, int rows, int cols) override;
+  // Bytes of the weights uploaded so far (what Model::weight_bytes predicts).
+  std::int64_t weight_bytes() const { return weight_bytes_; }
   void copy(float* dst, const float* src, std::size_t floats) override;
   void to_host(float* host, const float* src, std::size_t floats) override { copy(host, src, floats); }
   void from_host(float* dst, const float* host, std::size_t floats) override { copy(dst, host, floats); }
@@ -47,8 +53,11 @@ class CpuBackend final : public Backend {
   static constexpr int kQueryBlock = 64;
 
  private:
+  float* allocate_weights(std::size_t floats);  // kept in weights_
   int threads_;
   std::unique_ptr<WorkerPool> pool_;
+  std::vector<float*> weights_;  // uploaded weights, released with the backend
+  std::int64_t weight_bytes_ = 0;
 };
 
 }  // namespace kvs

@@ -20,6 +20,12 @@ struct WorkingSizes {
 
 }  // namespace
 
+std::int64_t Model::weight_bytes(const ModelConfig& c) {
+  const std::int64_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, vocab = c.vocab_size;
+  const std::int64_t per_layer = 2 * dim + 2 * dim * dim + 2 * kv_dim * dim + 3 * hidden * dim;
+  return (2 * vocab * dim + c.n_layers * per_layer + dim) * std::int64_t{sizeof(float)};  // embedding + classifier
+}
+
 std::int64_t Model::working_bytes(const ModelConfig& config, const Backend& backend, int max_tokens_per_call,
                                   int max_kv_rows) {
   const WorkingSizes s(config, backend, max_tokens_per_call, max_kv_rows);
@@ -36,23 +42,29 @@ Model::Model(const Checkpoint& checkpoint, Backend& backend, int max_tokens_per_
   const TensorPointers& t = checkpoint.tensors();
   const std::size_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, vocab = c.vocab_size;
   auto upload = [&](const float* host, std::size_t floats) { return backend.upload_weights(host, floats); };
+  // A matrix (rows, cols) in the layout the backend's matmul reads.
+  auto matrix = [&](const float* host, std::size_t rows, std::size_t cols) {
+    return backend.upload_matrix(host, static_cast<int>(rows), static_cast<int>(cols));
+  };
 
   token_embedding_ = upload(t.token_embedding, vocab * dim);
   for (int l = 0; l < c.n_layers; ++l) {
     layers_.push_back(LayerWeights{
         .rms_att = upload(t.rms_att + l * dim, dim),
-        .wq = upload(t.wq + l * dim * dim, dim * dim),
-        .wk = upload(t.wk + l * kv_dim * dim, kv_dim * dim),
-        .wv = upload(t.wv + l * kv_dim * dim, kv_dim * dim),
-        .wo = upload(t.wo + l * dim * dim, dim * dim),
+        .wq = matrix(t.wq + l * dim * dim, dim, dim),
+        .wk = matrix(t.wk + l * kv_dim * dim, kv_dim, dim),
+        .wv = matrix(t.wv + l * kv_dim * dim, kv_dim, dim),
+        .wo = matrix(t.wo + l * dim * dim, dim, dim),
         .rms_ffn = upload(t.rms_ffn + l * dim, dim),
-        .w1 = upload(t.w1 + l * hidden * dim, hidden * dim),
-        .w2 = upload(t.w2 + l * dim * hidden, dim * hidden),
-        .w3 = upload(t.w3 + l * hidden * dim, hidden * dim),
+        .w1 = matrix(t.w1 + l * hidden * dim, hidden, dim),
+        .w2 = matrix(t.w2 + l * dim * hidden, dim, hidden),
+        .w3 = matrix(t.w3 + l * hidden * dim, hidden, dim),
     });
   }
   rms_final_ = upload(t.rms_final, dim);
-  classifier_ = c.shared_classifier ? token_embedding_ : upload(t.classifier, vocab * dim);
+  // Shared with the embedding in the file (t.classifier == t.token_embedding), but a table and a matrix
+  // need not have one layout: uploaded twice.
+  classifier_ = matrix(t.classifier, vocab, dim);
 
   const WorkingSizes size(c, backend, max_tokens_, max_kv_rows_);
   x_ = Buffer(backend, size.x);

@@ -25,8 +25,8 @@ class AttentionObserver {
 
 class Model {
  public:
-  // The model reads its weights through `backend` (the CPU reads the mapped checkpoint in place, so the
-  // checkpoint must outlive the model). All working buffers are allocated here, once, for calls of up to
+  // The model uploads its weights to `backend` (Backend::upload_weights, upload_matrix): the checkpoint
+  // is not read after the constructor. All working buffers are allocated here, once, for calls of up to
   // max_tokens_per_call positions and attention views of up to max_kv_rows rows (0 = the model's seq_len).
   Model(const Checkpoint& checkpoint, Backend& backend, int max_tokens_per_call = 0, int max_kv_rows = 0);
 
@@ -44,6 +44,9 @@ class Model {
   // max_kv_rows) floats on the backend and on the host, so observed decoding still allocates nothing.
   void observe_attention(AttentionObserver* observer);
 
+  // Bytes of backend memory the weights take once uploaded (the classifier counted apart from the
+  // embedding even when the file shares them), before the model is built.
+  static std::int64_t weight_bytes(const ModelConfig& config);
   // Bytes of working buffers a model set up this way allocates (device and host), before it is built.
   static std::int64_t working_bytes(const ModelConfig& config, const Backend& backend, int max_tokens_per_call,
                                     int max_kv_rows);
@@ -70,7 +73,7 @@ class Model {
   const float* token_embedding_;  // (vocab, dim)
   std::vector<LayerWeights> layers_;
   const float* rms_final_;   // (dim)
-  const float* classifier_;  // (vocab, dim)
+  const float* classifier_;  // (vocab, dim), uploaded as a matrix
 
   // Working buffers; N = max_tokens_per_call.
   Buffer x_;         // (N, dim)        the residual stream

@@ -43,6 +43,7 @@ class ProfilingBackend final : public Backend {
     timed(OpKind::kOther, [&] { inner_.from_host(dst, host, count); });
   }
   const float* upload_weights(const float* host, std::size_t floats) override { return inner_.upload_weights(host, floats); }
+  const float* upload_matrix(const float* host, int rows, int cols) override { return inner_.upload_matrix(host, rows, cols); }
   void copy(float* dst, const float* src, std::size_t floats) override {
     timed(OpKind::kOther, [&] { inner_.copy(dst, src, floats); });
   }

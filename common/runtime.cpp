@@ -83,7 +83,7 @@ MemoryPlan plan_memory(const Checkpoint& checkpoint, const Backend& backend, int
                        int kv_rows) {
   const ModelConfig& c = checkpoint.config();
   if (kv_rows <= 0) kv_rows = positions;
-  return MemoryPlan{.weights = static_cast<std::int64_t>(checkpoint.file_bytes()),
+  return MemoryPlan{.weights = Model::weight_bytes(c),
                     .working = Model::working_bytes(c, backend, positions, kv_rows),
                     .kv_cache = kv_cache_bytes(c, cache_positions),
                     .positions = positions,

@@ -22,7 +22,7 @@ std::string describe_setup(const Checkpoint& checkpoint, const Backend& backend)
 
 // The memory a run will use, known before anything is allocated.
 struct MemoryPlan {
-  std::int64_t weights = 0;         // the checkpoint's tensors (mapped from the file on the CPU)
+  std::int64_t weights = 0;         // the model's weights in backend memory (Model::weight_bytes)
   std::int64_t working = 0;         // the model's working buffers (Model::working_bytes)
   std::int64_t kv_cache = 0;        // the KV cache of the run's longest sequence (0: no cache)
   int positions = 0;                // the longest call: what the buffers and the cache are sized for

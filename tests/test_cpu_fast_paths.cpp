@@ -1,7 +1,7 @@
 // The CPU backend's fast paths against the plain definitions they replace: its team of threads (every
 // task exactly once; work really handed to another thread), attention's run of visible rows against
 // key_visible row by row, matrix products split into tasks against a plain loop, and results that do not
-// depend on the thread count, bit for bit.
+// depend on the thread count, bit for bit; and the weights the backend copies are the bytes the plan counts.
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -127,13 +127,27 @@ TEST_CASE("matmul: split into tasks of output columns, it equals a plain loop, a
     for (float& v : w) v = normal(gen);
     const std::vector<float> expected = plain_matmul(x, w, s.n, s.d_in, s.d_out);
     std::vector<float> one(expected.size()), two(expected.size());
-    CpuBackend(1).matmul(one.data(), x.data(), w.data(), s.n, s.d_in, s.d_out);
-    CpuBackend(2).matmul(two.data(), x.data(), w.data(), s.n, s.d_in, s.d_out);
+    CpuBackend cpu1(1), cpu2(2);
+    cpu1.matmul(one.data(), x.data(), cpu1.upload_matrix(w.data(), s.d_out, s.d_in), s.n, s.d_in, s.d_out);
+    cpu2.matmul(two.data(), x.data(), cpu2.upload_matrix(w.data(), s.d_out, s.d_in), s.n, s.d_in, s.d_out);
     // Sums of up to 384 products of N(0, 1) values: |sum| ~ 20, float rounding ~1e-5 of that.
     float worst = 0;
     for (std::size_t i = 0; i < expected.size(); ++i) worst = std::max(worst, std::abs(one[i] - expected[i]));
     CHECK(worst <= 1e-3f);
     CHECK(std::memcmp(one.data(), two.data(), one.size() * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("weights: the CPU backend holds exactly Model::weight_bytes, with a shared and with a separate classifier") {
+  // The memory plan's weights (runtime.cpp) are Model::weight_bytes; what the backend really copies must be that.
+  for (const bool shared : {true, false}) {
+    CAPTURE(shared);
+    const ModelConfig config{.dim = 48, .hidden_dim = 72, .n_layers = 3, .n_heads = 6, .n_kv_heads = 2,
+                             .vocab_size = 40, .seq_len = 16, .shared_classifier = shared};
+    const Checkpoint checkpoint = Checkpoint::synthetic(config);
+    CpuBackend backend(1);
+    const Model model(checkpoint, backend, 4, 16);
+    CHECK(backend.weight_bytes() == Model::weight_bytes(config));
   }
 }
 

@@ -110,9 +110,9 @@ TEST_CASE("cuda kernels: matrix products through the BLAS interface equal the CP
       CAPTURE(s.n); CAPTURE(s.d_in); CAPTURE(s.d_out);
       const std::vector<float> x = random_vector(std::size_t(s.n) * s.d_in, gen), w = random_vector(std::size_t(s.d_out) * s.d_in, gen);
       std::vector<float> want(std::size_t(s.n) * s.d_out);
-      cpu.matmul(want.data(), x.data(), w.data(), s.n, s.d_in, s.d_out);
-      Buffer d_x = test::to_backend(b, x), d_w = test::to_backend(b, w), d_out(b, want.size());
-      b.matmul(d_out.data(), d_x.data(), d_w.data(), s.n, s.d_in, s.d_out);
+      cpu.matmul(want.data(), x.data(), cpu.upload_matrix(w.data(), s.d_out, s.d_in), s.n, s.d_in, s.d_out);
+      Buffer d_x = test::to_backend(b, x), d_out(b, want.size());
+      b.matmul(d_out.data(), d_x.data(), b.upload_matrix(w.data(), s.d_out, s.d_in), s.n, s.d_in, s.d_out);
       CHECK(worst_excess(test::from_backend(b, d_out), want, 1e-4f) <= 0);
     }
   });

@@ -352,6 +352,10 @@ class CudaBackend final : public Backend {
     from_host(device, host, floats);
     return device;
   }
+  // cuBLAS reads the row-major (rows, cols) matrix as it is (matmul below).
+  const float* upload_matrix(const float* host, int rows, int cols) override {
+    return upload_weights(host, std::size_t(rows) * cols);
+  }
   void copy(float* dst, const float* src, std::size_t floats) override {
     check_no_overlap(dst, src, floats);
     if (floats) KVS_CUDA_CHECK(cudaMemcpyAsync(dst, src, floats * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
