@@ -268,8 +268,8 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const float minus_inf = -std::numeric_limits<float>::infinity();
 
-  // Decode over one run of rows (chapters 02 and 03 and naive generation's last position): every head in
-  // sweeps over the rows (attend_one_query). Heads of one KV head stay together on one thread; each head's
+  // A decode step over one run of rows (through chapter 02's and 03's caches): every head in sweeps over
+  // the rows (attend_one_query). Heads of one KV head stay together on one thread; each head's
   // arithmetic is the same however the heads are split, so 1 and 2 threads give the same bits.
   int run_begin = 0, run_end = 0;
   const OneQueryKernel one_query = n == 1 && !kv.read_rope ? one_query_kernel(head_dim) : nullptr;

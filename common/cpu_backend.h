@@ -1,7 +1,7 @@
 #pragma once
 // The CPU backend: Eigen's GEMM for many positions and GEMV for one, over weight matrices it stores
 // transposed; a team of threads of its own (worker_pool.h) splits products by output columns and attention
-// by head.
+// by head (a decode step: by KV head).
 #include <cstdint>
 #include <memory>
 #include <vector>
