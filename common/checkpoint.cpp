@@ -34,17 +34,8 @@ constexpr Bound kBounds[7] = {{"dim", 1 << 16},      {"hidden_dim", 1 << 18}, {"
 
 // Floats of every tensor in file order, legacy RoPE tables included.
 std::uint64_t checkpoint_floats(const ModelConfig& c) {
-  const std::uint64_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, L = c.n_layers;
-  const std::uint64_t vocab = c.vocab_size;
-  std::uint64_t n = vocab * dim;                              // token embedding
-  n += L * dim;                                               // rms_att
-  n += L * (dim * dim + 2 * kv_dim * dim + dim * dim);        // wq, wk, wv, wo
-  n += L * dim;                                               // rms_ffn
-  n += L * 3 * hidden * dim;                                  // w1, w2, w3
-  n += dim;                                                   // rms_final
-  n += 2 * std::uint64_t(c.seq_len) * (c.head_dim() / 2);     // legacy RoPE tables (skipped)
-  if (!c.shared_classifier) n += vocab * dim;                 // classifier
-  return n;
+  // The tensors, and between the final norm and a separate classifier llama2.c's legacy RoPE tables (skipped).
+  return std::uint64_t(parameter_count(c)) + 2 * std::uint64_t(c.seq_len) * (c.head_dim() / 2);
 }
 
 }  // namespace

@@ -20,6 +20,14 @@ struct ModelConfig {
   int group() const { return n_heads / n_kv_heads; }
 };
 
+// Floats of the model's tensors: the token embedding, each layer's two norms and seven matrices, the final
+// norm, and the classifier when it is not the embedding (the parameters; a checkpoint file holds more).
+inline std::int64_t parameter_count(const ModelConfig& c) {
+  const std::int64_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, vocab = c.vocab_size;
+  const std::int64_t per_layer = 2 * dim + 2 * dim * dim + 2 * kv_dim * dim + 3 * hidden * dim;  // norms, wq wo, wk wv, w1 w2 w3
+  return vocab * dim + c.n_layers * per_layer + dim + (c.shared_classifier ? 0 : vocab * dim);
+}
+
 // Bytes of K and V for `positions` positions of a batch of `batch` sequences:
 // 2 (K and V) · layers · batch · kv_heads · head_dim · positions · bytes_per_element.
 inline std::int64_t kv_cache_bytes(const ModelConfig& c, std::int64_t positions, std::int64_t batch = 1,

@@ -37,16 +37,25 @@ int matmul_columns_per_task(int n, int d_in, int d_out) {
   return static_cast<int>(std::min<std::int64_t>(d_out, (columns + 15) / 16 * 16));
 }
 
-// Softmax in place over s[0, count): scaled scores in, probabilities out. Vectorised: Eigen's exp runs on
+// Softmax in place over s[0, count) of the scores times `scale` (1/sqrt(head_dim)): scores in, probabilities
+// out. Vectorised: Eigen's exp runs on
 // whole SIMD registers (std::exp in a loop ran one float at a time and was most of attention's time at long
 // context). A -inf score weighs ~0, not always 0: Eigen's exp clamps its argument on some instruction sets
 // (without -march=native, exp(-inf) came out as 2e-36). Whoever masks with -inf zeroes those rows after.
 // (Selecting 0 for -inf inside the expression made Eigen 3.4 evaluate it one float at a time: attention
 // at 512 positions took 0.117 ms instead of 0.046.)
-void softmax(float* s, int count) {
+void softmax(float* s, int count, float scale) {
   Eigen::Map<Eigen::ArrayXf> a(s, count);
+  a *= scale;
   a = (a - a.maxCoeff()).exp();
   a *= 1.0f / a.sum();
+}
+
+// What an attention observer receives for one query and head (backend.h): the weights of view rows
+// [begin, begin + count), 0 on every other of the view's rows.
+void observe_weights(float* observed, int view_rows, const float* run, int begin, int count) {
+  std::fill(observed, observed + view_rows, 0.0f);
+  std::copy(run, run + count, observed + begin);
 }
 
 // ---- decode attention over one run of rows ----
@@ -99,10 +108,7 @@ void attend_one_query(float* __restrict out, const float* q, const KvView& kv, i
   for (; r + kRows <= rows; r += kRows) score_rows(r, std::integral_constant<int, kRows>{});
   for (; r < rows; ++r) score_rows(r, std::integral_constant<int, 1>{});
 
-  for (int h = c0 * group; h < c1 * group && rows > 0; ++h) {  // 2. weights
-    Eigen::Map<Eigen::ArrayXf>(scratch + h * head_stride, rows) *= scale;
-    softmax(scratch + h * head_stride, rows);
-  }
+  for (int h = c0 * group; h < c1 * group && rows > 0; ++h) softmax(scratch + h * head_stride, rows, scale);  // 2. weights
 
   // 3. out += the weighted values of rows r .. r + n - 1 (out: a few KB, stays in L1)
   auto add_value_rows = [&]<int n>(int r, std::integral_constant<int, n>) {
@@ -274,16 +280,13 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
   int run_begin = 0, run_end = 0;
   const OneQueryKernel one_query = n == 1 && !kv.read_rope ? one_query_kernel(head_dim) : nullptr;
   if (one_query && kv.visible_rows(pos, run_begin, run_end)) {
-    const int run_rows = std::max(0, run_end - run_begin);
+    const int run_rows = run_end - run_begin;  // visible_rows keeps begin <= end
     auto kv_heads = [&](int first_kv_head, int kv_head_count) {
       const int c1 = first_kv_head + kv_head_count, h0 = first_kv_head * group, h1 = c1 * group;
-      one_query(out, q, kv, run_begin, run_begin + run_rows, first_kv_head, c1, group, scale, scratch.data(), head_stride);
-      if (weights)  // rows outside the run weigh 0
-        for (int h = h0; h < h1; ++h) {
-          float* observed = weights + std::size_t(h) * kv.rows;
-          std::fill(observed, observed + kv.rows, 0.0f);
-          std::copy(scratch.data() + h * head_stride, scratch.data() + h * head_stride + run_rows, observed + run_begin);
-        }
+      one_query(out, q, kv, run_begin, run_end, first_kv_head, c1, group, scale, scratch.data(), head_stride);
+      if (weights)
+        for (int h = h0; h < h1; ++h)
+          observe_weights(weights + std::size_t(h) * kv.rows, kv.rows, scratch.data() + h * head_stride, run_begin, run_rows);
     };
     const std::int64_t multiply_adds = 2 * std::int64_t(run_rows) * shape.n_heads * head_dim;
     if (threads_ > 1 && multiply_adds >= kTaskMultiplyAdds) pool_->run(shape.n_kv_heads, [&](int kv_head) { kv_heads(kv_head, 1); });
@@ -387,17 +390,14 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
           std::fill(s, s + rows, 0.0f);
           continue;
         }
-        Eigen::Map<Eigen::ArrayXf>(s + visible_begin, visible_end - visible_begin) *= scale;
-        softmax(s + visible_begin, visible_end - visible_begin);
+        softmax(s + visible_begin, visible_end - visible_begin, scale);
         if (!runs)  // a masked row weighs exactly 0 (see softmax)
           for (int r = 0; r < rows; ++r)
             if (!key_visible(query_pos, kv.position_of(r), kv.window)) s[r] = 0.0f;
       }
       if (weights)  // rows outside [begin, end) are invisible to every query of the block: weight 0
         for (int i = 0; i < nq; ++i) {
-          float* observed = weights + (std::size_t(q0 + i) * shape.n_heads + h) * kv.rows;
-          std::fill(observed, observed + kv.rows, 0.0f);
-          std::copy(S.row(i).data(), S.row(i).data() + rows, observed + begin);
+          observe_weights(weights + (std::size_t(q0 + i) * shape.n_heads + h) * kv.rows, kv.rows, S.row(i).data(), begin, rows);
         }
       if (!unseen_row) {
         O.noalias() = S * V;  // every row is seen by some query of the block: its bytes are real keys/values

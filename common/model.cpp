@@ -21,9 +21,8 @@ struct WorkingSizes {
 }  // namespace
 
 std::int64_t Model::weight_bytes(const ModelConfig& c) {
-  const std::int64_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, vocab = c.vocab_size;
-  const std::int64_t per_layer = 2 * dim + 2 * dim * dim + 2 * kv_dim * dim + 3 * hidden * dim;
-  return (2 * vocab * dim + c.n_layers * per_layer + dim) * std::int64_t{sizeof(float)};  // embedding + classifier
+  const std::int64_t second_classifier = c.shared_classifier ? std::int64_t(c.vocab_size) * c.dim : 0;  // see the constructor
+  return (parameter_count(c) + second_classifier) * std::int64_t{sizeof(float)};
 }
 
 std::int64_t Model::working_bytes(const ModelConfig& config, const Backend& backend, int max_tokens_per_call,

@@ -14,10 +14,11 @@
 namespace kvs::ch03 {
 
 StepBytes decode_step_bytes(const ModelConfig& c, int positions) {
-  const std::int64_t dim = c.dim, kv = c.kv_dim(), hidden = c.hidden_dim;
-  const std::int64_t per_layer = 2 * dim * dim + 2 * kv * dim + 3 * hidden * dim + 2 * dim;  // wq wo, wk wv, w1 w2 w3, norms
-  const std::int64_t floats = c.n_layers * per_layer + std::int64_t(c.vocab_size) * dim + dim + dim;  // + classifier, final norm, embedding row
-  return {floats * 4, 2 * std::int64_t(c.n_layers) * kv * positions * 4};
+  // Every weight the model holds (Model::weight_bytes: the classifier apart from the embedding) but the
+  // embedding table, of which a step reads one row.
+  const std::int64_t embedding_table = std::int64_t(c.vocab_size) * c.dim, embedding_row = c.dim;
+  const std::int64_t weights = Model::weight_bytes(c) - (embedding_table - embedding_row) * 4;
+  return {weights, 2 * std::int64_t(c.n_layers) * c.kv_dim() * positions * 4};
 }
 
 double prefill_flops(const ModelConfig& c, int positions) {
