@@ -195,6 +195,14 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
     // Decode: one query over every cached row (the chapters' cache), lengths around warp and block sizes.
     for (int rows : {1, 31, 33, 97, 255, 257, 1023, 2048}) check(mha, consecutive(rows, 0), false, 0, {}, rows - 1, 1);
     for (const AttentionShape& shape : {gqa, mqa}) check(shape, consecutive(97, 0), false, 0, {}, 96, 1);
+    // Decoding blocks serve up to 4 query heads of one KV head (the largest divisor of the group): groups of 8
+    // (two blocks per KV head) and 5 (one head per block); head_dim 40 and 64 (two elements per lane); rows
+    // around a chunk (64) and the rows a warp loads at once (4).
+    const AttentionShape group8{8, 1, 64}, group5{10, 2, 40};
+    for (int rows : {63, 64, 65, 67, 130}) {
+      check(group8, consecutive(rows, 0), false, 0, {}, rows - 1, 1);
+      check(group5, consecutive(rows, 0), false, 0, {}, rows - 1, 1);
+    }
     // Prefill: causal over the whole prompt, and a chunk after a cached prefix.
     check(gqa, consecutive(70, 0), false, 0, {}, 0, 70);
     check(mha, consecutive(257, 0), false, 0, {}, 193, 64);
@@ -211,7 +219,7 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
     check(mha, consecutive(33, 0), false, 0, Window{.size = 40, .sinks = 0}, 20, 13, true);
     // Nothing visible at all (a deliberately broken cache): the output is 0, not NaN.
     check(mha, {-1, -1, 500}, true, 0, {}, 10, 1);
-    // Decoding over a long view runs split into chunks of rows (256 rows or more each) and merged: a whole
+    // Decoding over a long view runs split into chunks of rows (64 rows or more each) and merged: a whole
     // preallocated buffer whose rows past the query are unwritten (NaN), whole chunks past the query's row;
     // a window with sinks that hides whole chunks (a chunk with nothing visible must add nothing); a ring
     // of 600 slots, out of order, with empty slots, stored rotated and rotated at read time.

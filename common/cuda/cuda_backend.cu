@@ -108,23 +108,26 @@ __global__ void rope_kernel(float* x, const float* table, int n, int heads, int 
 // that). A row that key_visible hides is skipped whole (its keys and values are never read, so an empty
 // slot's bytes, NaN included, cannot leak in). Within a row, lane l holds the elements l, l + 32, ... of
 // q, k, v (head_dim <= kMaxHeadDim). Two kernels use the pieces below:
-//   attention_kernel: one block per (query, head) visits all the query's rows (prefill; short decodes);
-//   attention_split_kernel + attention_merge_kernel: decoding over a long view ("flash-decoding"): one
-//     query has only n_heads blocks' worth of work, too few to keep a GPU's memory busy (16 blocks on 132
-//     SMs read K/V at 37 GB/s at 16k positions), so the rows are split into chunks, one block per (head,
-//     chunk), and a second kernel merges the chunks' partial softmaxes (measured on an H100: about 300 GB/s,
-//     a step of the synthetic model at 16k positions 5.5 ms instead of 30.9; book/07).
+//   attention_kernel: one block per (query, head) visits all the query's rows (prefill; an observed step);
+//   attention_decode_kernel (+ attention_merge_kernel): decoding, one query ("flash-decoding"). One query
+//     has only n_heads blocks' worth of work, too few to keep a GPU's memory busy (16 blocks on 132 SMs read
+//     K/V at 37 GB/s at 16k positions), so the rows are split into chunks, one block per (KV head, chunk);
+//     the block serves every query head that reads that KV head (GQA: each row read once, not once per
+//     query head), and each warp loads several rows before it uses any (a row at a time left each warp
+//     waiting out a memory latency per row). A second kernel merges the chunks' partial softmaxes. Measured
+//     on an H100, book/07.
 constexpr int kMaxAttentionWarps = 16;
 constexpr int kMaxHeadDim = 256;
 constexpr int kPerLane = kMaxHeadDim / kWarp;
 
 // Lane `lane`'s elements of a query head (0 past head_dim), rotated by the query's rotary position when
 // the view rotates at read time (kv.read_rope, chapter 04; the table holds [cos, sin] per pair).
-__device__ void load_query(float (&query)[kPerLane], const float* query_row, const KvView& kv, int query_pos,
+template <int kElements>
+__device__ void load_query(float (&query)[kElements], const float* query_row, const KvView& kv, int query_pos,
                            int head_dim, int lane) {
   const int pairs = head_dim / 2;
   const float* cos_sin = kv.read_rope ? kv.read_rope + std::size_t(rotary_query_position(query_pos, kv.window)) * pairs * 2 : nullptr;
-  for (int j = 0; j < kPerLane; ++j) {
+  for (int j = 0; j < kElements; ++j) {
     const int d = lane + j * kWarp;
     query[j] = d >= head_dim ? 0.0f
                : cos_sin     ? rope_rotated_element(query_row, d, cos_sin + (d / 2) * 2)
@@ -132,17 +135,22 @@ __device__ void load_query(float (&query)[kPerLane], const float* query_row, con
   }
 }
 
+// Element d of view row r's key (position key_pos) in the KV head at kv_offset, as the query at query_pos
+// sees it: as stored, or rotated by its rotary position when the view rotates at read time.
+__device__ float key_element(const KvView& kv, int r, int key_pos, int query_pos, int kv_offset, int d, int head_dim) {
+  const float* key = kv.keys + std::size_t(r) * kv.row_stride + kv_offset;
+  if (!kv.read_rope) return key[d];
+  const float* cos_sin = kv.read_rope + std::size_t(rotary_key_position(query_pos, key_pos, kv.window)) * (head_dim / 2) * 2;
+  return rope_rotated_element(key, d, cos_sin + (d / 2) * 2);
+}
+
 // The scaled score q·k / sqrt(head_dim) of view row r (key at key_pos), the same in every lane of the warp.
 __device__ float score_of(const float (&query)[kPerLane], const KvView& kv, int r, int key_pos, int query_pos,
                           int kv_offset, int head_dim, int lane) {
-  const float* key = kv.keys + std::size_t(r) * kv.row_stride + kv_offset;
-  const float* cos_sin =
-      kv.read_rope ? kv.read_rope + std::size_t(rotary_key_position(query_pos, key_pos, kv.window)) * (head_dim / 2) * 2
-                   : nullptr;
   float dot = 0.0f;
   for (int j = 0; j < kPerLane; ++j) {
     const int d = lane + j * kWarp;
-    if (d < head_dim) dot += query[j] * (cos_sin ? rope_rotated_element(key, d, cos_sin + (d / 2) * 2) : key[d]);
+    if (d < head_dim) dot += query[j] * key_element(kv, r, key_pos, query_pos, kv_offset, d, head_dim);
   }
   return warp_sum(dot) * (1.0f / sqrtf(static_cast<float>(head_dim)));
 }
@@ -236,27 +244,112 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
   }
 }
 
-// One decoding query (at positions[0]), its rows split into chunks of rows_per_split: block (h, s) runs the
-// online softmax of head h over chunk s and writes it, unnormalised, to partials (n_heads, splits,
-// 2 + head_dim) = [max, total, Σ exp(score - max) · v]; a chunk past the query's rows writes max -inf.
-// Grid (n_heads, splits), block kSplitWarps · 32. Its launch bound stays the unsplit kernel's 512 threads: a
-// bound of 128 (more registers per thread, fewer warps per multiprocessor) made the step at 16k positions
-// 7.9 ms instead of 5.5 (H100, book/07).
-__global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
-    attention_split_kernel(float* partials, const float* q, const int* positions, KvView kv, int group, int head_dim,
-                           int rows_per_split) {
-  __shared__ WarpPartials parts;
-  const int h = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
-  const int query_pos = positions[0], kv_offset = (h / group) * head_dim;
+// Decoding: one query (at positions[0]), its rows split into chunks of rows_per_split. Block (x, s) takes
+// KV head x / tiles and `tile` of the query heads that read it (tiles = group / tile; tile <= kMaxTile),
+// over chunk s. Warp w takes kRowsInFlight consecutive rows at a time (rows row_begin + (w + k · warps) ·
+// kRowsInFlight ...): it loads their keys and values first - independent loads, all in flight at once -
+// then scores them for each of its query heads and updates that head's online softmax. The block's warps
+// merge through shared memory; with one chunk the block writes out (n_heads · head_dim) itself, otherwise
+// partials (n_heads, splits, 2 + head_dim) = [max, total, Σ exp(score - max) · v], unnormalised, a chunk
+// with nothing visible writing max -inf (attention_merge_kernel finishes). Lane l holds elements l, l + 32,
+// ... < 32 · kElements of a row (kElements = 1, 2, 4, 8 for head_dim up to 32, 64, 128, 256: registers for
+// what the head needs, not for the largest head). Grid (n_kv_heads · tiles, splits), block kDecodeWarps · 32.
+constexpr int kMaxTile = 4;
+constexpr int kRowsInFlight = 4;
+constexpr int kDecodeWarps = 4;
+
+struct TilePartials {
+  float max[kDecodeWarps][kMaxTile];
+  float total[kDecodeWarps][kMaxTile];
+  float values[kDecodeWarps][kMaxTile][kMaxHeadDim];
+};
+
+template <int kElements>
+__global__ void __launch_bounds__(kDecodeWarps * kWarp)
+    attention_decode_kernel(float* out, float* partials, const float* q, const int* positions, KvView kv, int group,
+                            int tile, int head_dim, int rows_per_split) {
+  __shared__ TilePartials parts;
+  const int tiles = group / tile, kv_head = blockIdx.x / tiles;
+  const int first_head = kv_head * group + int(blockIdx.x % tiles) * tile, kv_offset = kv_head * head_dim;
+  const int split = blockIdx.y, splits = gridDim.y;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int query_pos = positions[0], rows = kv.rows_to_visit(query_pos);
   const int row_begin = split * rows_per_split;
-  const int rows = kv.rows_to_visit(query_pos);
   const int row_end = row_begin + rows_per_split < rows ? row_begin + rows_per_split : rows;
-  float query[kPerLane];
-  load_query(query, q + std::size_t(h) * head_dim, kv, query_pos, head_dim, threadIdx.x % kWarp);
-  const PartialSoftmax block = attend_rows(parts, query, kv, row_begin, row_end, query_pos, kv_offset, head_dim);
-  float* partial = partials + (std::size_t(h) * splits + split) * (2 + head_dim);
-  if (threadIdx.x == 0) partial[0] = block.max, partial[1] = block.total;
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) partial[2 + d] = merged_value(parts, d, block.max);
+  const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));
+
+  float query[kMaxTile][kElements], values[kMaxTile][kElements], running_max[kMaxTile], total[kMaxTile];
+KVS_UNROLL
+  for (int t = 0; t < kMaxTile; ++t) {
+    if (t < tile) load_query(query[t], q + std::size_t(first_head + t) * head_dim, kv, query_pos, head_dim, lane);
+    for (int j = 0; j < kElements; ++j) values[t][j] = 0.0f;
+    running_max[t] = -INFINITY, total[t] = 0.0f;
+  }
+  for (int first = row_begin + warp * kRowsInFlight; first < row_end; first += kDecodeWarps * kRowsInFlight) {
+    float key[kRowsInFlight][kElements], value[kRowsInFlight][kElements];
+    bool visible[kRowsInFlight];
+KVS_UNROLL
+    for (int i = 0; i < kRowsInFlight; ++i) {
+      const int r = first + i, key_pos = r < row_end ? kv.position_of(r) : -1;
+      visible[i] = r < row_end && key_visible(query_pos, key_pos, kv.window);  // the same in every lane
+      const float* value_row = kv.values + std::size_t(r) * kv.row_stride + kv_offset;
+      for (int j = 0; j < kElements; ++j) {
+        const int d = lane + j * kWarp;
+        const bool load = visible[i] && d < head_dim;  // a hidden row is never read: its bytes may be NaN
+        key[i][j] = load ? key_element(kv, r, key_pos, query_pos, kv_offset, d, head_dim) : 0.0f;
+        value[i][j] = load ? value_row[d] : 0.0f;
+      }
+    }
+KVS_UNROLL
+    for (int t = 0; t < kMaxTile; ++t) {
+      if (t >= tile) break;
+      float score[kRowsInFlight], new_max = running_max[t];
+      for (int i = 0; i < kRowsInFlight; ++i) {
+        float dot = 0.0f;
+        for (int j = 0; j < kElements; ++j) dot += query[t][j] * key[i][j];
+        score[i] = visible[i] ? warp_sum(dot) * scale : -INFINITY;
+        new_max = fmaxf(new_max, score[i]);
+      }
+      if (new_max == -INFINITY) continue;  // nothing visible yet (the same in every lane)
+      const float rescale = expf(running_max[t] - new_max);  // 0 for the first visible rows
+      total[t] *= rescale;
+      for (int j = 0; j < kElements; ++j) values[t][j] *= rescale;
+      for (int i = 0; i < kRowsInFlight; ++i) {
+        const float weight = expf(score[i] - new_max);  // 0 for a hidden row, whose value is 0 too
+        total[t] += weight;
+        for (int j = 0; j < kElements; ++j) values[t][j] += weight * value[i][j];
+      }
+      running_max[t] = new_max;
+    }
+  }
+KVS_UNROLL
+  for (int t = 0; t < kMaxTile; ++t) {
+    if (t >= tile) break;
+    if (lane == 0) parts.max[warp][t] = running_max[t], parts.total[warp][t] = total[t];
+    for (int j = 0; j < kElements; ++j) {
+      const int d = lane + j * kWarp;
+      if (d < head_dim) parts.values[warp][t][d] = values[t][j];
+    }
+  }
+  __syncthreads();
+KVS_UNROLL
+  for (int t = 0; t < kMaxTile; ++t) {
+    if (t >= tile) break;
+    float block_max = -INFINITY, block_total = 0.0f;
+    for (int w = 0; w < kDecodeWarps; ++w) block_max = fmaxf(block_max, parts.max[w][t]);
+    for (int w = 0; w < kDecodeWarps; ++w)
+      if (parts.max[w][t] != -INFINITY) block_total += parts.total[w][t] * expf(parts.max[w][t] - block_max);
+    const int h = first_head + t;
+    float* partial = partials ? partials + (std::size_t(h) * splits + split) * (2 + head_dim) : nullptr;
+    if (partial && threadIdx.x == 0) partial[0] = block_max, partial[1] = block_total;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+      float o = 0.0f;
+      for (int w = 0; w < kDecodeWarps; ++w)
+        if (parts.max[w][t] != -INFINITY) o += parts.values[w][t][d] * expf(parts.max[w][t] - block_max);
+      if (partial) partial[2 + d] = o;
+      else out[std::size_t(h) * head_dim + d] = block_total > 0.0f ? o / block_total : 0.0f;  // 0: nothing visible
+    }
+  }
 }
 
 // out (n_heads · head_dim) = the chunks' partial softmaxes merged: each rescaled by exp(its max - the
@@ -300,13 +393,22 @@ __global__ void add_kernel(float* x, const float* y, std::size_t count) {
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 4096;
 
-// Split decoding: chunks of at least kRowsPerSplit rows (kSplitWarps warps of 64 or more each), at most kMaxSplits of
-// them (the scratch for 65,536 rows of 16 heads of 128: 8.5 MB); a view of one chunk runs unsplit.
-constexpr int kRowsPerSplit = 256;
+// Decoding's chunks: kRowsPerSplit rows each (four rounds of a block's warps, kRowsInFlight rows each), more
+// only where a view would need more than kMaxSplits of them (the scratch for 65,536 rows of 16 heads of 128:
+// 2.1 MB). A view of one chunk needs no merge. Up to 16,384 rows, chunks start at the same rows in a view of a
+// whole buffer and in one of its written prefix, so both give the same bits (tested).
+constexpr int kRowsPerSplit = 4 * kDecodeWarps * kRowsInFlight;
 constexpr int kMaxSplits = 256;
-constexpr int kSplitWarps = 4;
 
-int decode_splits(int rows) { return std::clamp((rows + kRowsPerSplit - 1) / kRowsPerSplit, 1, kMaxSplits); }
+int decode_rows_per_split(int rows) { return std::max(kRowsPerSplit, (rows + kMaxSplits - 1) / kMaxSplits); }
+int decode_splits(int rows) { return std::max(1, (rows + decode_rows_per_split(rows) - 1) / decode_rows_per_split(rows)); }
+
+// Query heads per decoding block: the largest divisor of the group (query heads per KV head) up to kMaxTile.
+int decode_tile(int group) {
+  for (int tile = kMaxTile; tile > 1; --tile)
+    if (group % tile == 0) return tile;
+  return 1;
+}
 
 unsigned blocks_for(std::size_t count) {
   return static_cast<unsigned>(std::min<std::size_t>((count + kThreads - 1) / kThreads, kMaxBlocks));
@@ -373,7 +475,7 @@ class CudaBackend final : public Backend {
     if (count) KVS_CUDA_CHECK(cudaMemcpyAsync(dst, host, count * sizeof(int), cudaMemcpyHostToDevice, stream_));
   }
   void synchronize() override { KVS_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
-  // The split decode's partial softmaxes (attention_split_kernel): n_heads · splits · (2 + head_dim).
+  // Decoding's partial softmaxes (attention_decode_kernel), when split: n_heads · splits · (2 + head_dim).
   std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows) const override {
     const int splits = decode_splits(max_rows);
     return splits > 1 ? std::size_t(shape.n_heads) * splits * (2 + shape.head_dim) : 0;
@@ -429,23 +531,38 @@ class CudaBackend final : public Backend {
     KvView device_view = kv;
     // Per-row positions live in host memory today (a cache's bookkeeping): the kernel reads a copy.
     if (kv.row_positions) device_view.row_positions = row_positions_on_device(kv.row_positions, kv.rows);
-    const int group = shape.n_heads / shape.n_kv_heads, splits = decode_splits(kv.rows);
-    if (n == 1 && splits > 1 && !weights) {
-      // Decoding over a long view: one block per (head, chunk of rows), then the merge. The split depends on
-      // the view's rows only, never on the position, so a recorded step replays the same launches.
+    const int group = shape.n_heads / shape.n_kv_heads;
+    if (n == 1 && !weights) {
+      // Decoding: one block per (KV head, tile of its query heads, chunk of rows), then the merge when there
+      // is more than one chunk. The split depends on the view's rows only, never on the position, so a
+      // recorded step replays the same launches.
+      const int splits = decode_splits(kv.rows), tile = decode_tile(group);
       const std::size_t needed = attention_scratch_floats(shape, kv.rows);
       if (scratch.size() < needed)
         throw std::invalid_argument("attention: a view of " + std::to_string(kv.rows) +
                                     " rows needs more scratch than the model allocated");
-      const int rows_per_split = (kv.rows + splits - 1) / splits;
-      KVS_LAUNCH(attention_split_kernel, dim3(shape.n_heads, splits), dim3(kSplitWarps * kWarp), 0, stream_,
-                 scratch.data(), q, positions, device_view, group, shape.head_dim, rows_per_split);
-      KVS_LAUNCH(attention_merge_kernel, dim3(shape.n_heads), dim3(128), 0, stream_, out, scratch.data(), splits,
-                 shape.head_dim);
+      const int rows_per_split = decode_rows_per_split(kv.rows);
+      float* partials = splits > 1 ? scratch.data() : nullptr;
+      const dim3 grid(shape.n_kv_heads * (group / tile), splits), block(kDecodeWarps * kWarp);
+      if (shape.head_dim <= kWarp)
+        KVS_LAUNCH(attention_decode_kernel<1>, grid, block, 0, stream_, out, partials, q, positions, device_view, group,
+                   tile, shape.head_dim, rows_per_split);
+      else if (shape.head_dim <= 2 * kWarp)
+        KVS_LAUNCH(attention_decode_kernel<2>, grid, block, 0, stream_, out, partials, q, positions, device_view, group,
+                   tile, shape.head_dim, rows_per_split);
+      else if (shape.head_dim <= 4 * kWarp)
+        KVS_LAUNCH(attention_decode_kernel<4>, grid, block, 0, stream_, out, partials, q, positions, device_view, group,
+                   tile, shape.head_dim, rows_per_split);
+      else
+        KVS_LAUNCH(attention_decode_kernel<8>, grid, block, 0, stream_, out, partials, q, positions, device_view, group,
+                   tile, shape.head_dim, rows_per_split);
+      if (partials)
+        KVS_LAUNCH(attention_merge_kernel, dim3(shape.n_heads), dim3(128), 0, stream_, out, partials, splits,
+                   shape.head_dim);
       return;
     }
-    // Decoding a short view (or observed), one query per head: few blocks, so more warps per block share the
-    // rows (one per 64 rows, up to 16). Prefill has a block per query and head already: 4 warps.
+    // Prefill (a block per query and head: 4 warps each) and an observed decoding step (one block per head:
+    // more warps share the rows, one per 64 rows, up to 16).
     const int warps = n == 1 ? std::clamp(kv.rows / 64, 1, kMaxAttentionWarps) : 4;
     KVS_LAUNCH(attention_kernel, dim3(shape.n_heads, n), dim3(warps * kWarp), 0, stream_, out, weights, q, positions,
                device_view, shape.n_heads, group, shape.head_dim);

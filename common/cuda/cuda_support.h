@@ -1,8 +1,8 @@
 #pragma once
 // What every .cu file of the project includes first: the CUDA runtime under nvcc, or the CUDA harness
 // (common/cuda/harness) when g++ compiles the same source with KVS_CUDA_HARNESS defined; the checks that
-// name file and line; and the two constructs whose spelling differs between the two: a kernel launch and
-// dynamic shared memory. Nothing else in a .cu file knows which of the two compiles it.
+// name file and line; and the constructs whose spelling differs between the two: a kernel launch, dynamic
+// shared memory and an unrolling request. Nothing else in a .cu file knows which of the two compiles it.
 #include <stdexcept>
 #include <string>
 
@@ -31,6 +31,8 @@ namespace kvs::cuda {
 #define KVS_LAUNCH(kernel, grid, block, shared_bytes, stream, ...) \
   ::kvs::cuda_harness::launch_kernel(#kernel, grid, block, shared_bytes, kernel, __VA_ARGS__)
 #define KVS_DYNAMIC_SHARED(type, name) type* name = static_cast<type*>(::kvs::cuda_harness::dynamic_shared_memory())
+// nvcc's loop-unrolling request (registers indexed by an unrolled loop's counter stay registers); g++ ignores it.
+#define KVS_UNROLL
 #else
 #define KVS_LAUNCH(kernel, grid, block, shared_bytes, stream, ...)      \
   do {                                                                 \
@@ -38,4 +40,5 @@ namespace kvs::cuda {
     KVS_CUDA_CHECK(cudaGetLastError());                                \
   } while (0)
 #define KVS_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#define KVS_UNROLL _Pragma("unroll")
 #endif
