@@ -6,8 +6,13 @@ start with "$ " are commands; everything else in the block is their output, repl
 the commands print now (stdout and stderr together, in the order a terminal shows them). Under each block
 the script writes the machine, CPU and date it ran on, so every timing says where it was measured.
 
+A block after `<!-- transcript gpu -->` needs an NVIDIA GPU (its commands run `--backend cuda`): where
+`nvidia-smi` finds none, it is left as it is and the script says so (it was captured where one was, and
+its machine line names the GPU); --gpu-only re-runs those blocks alone.
+
     /usr/bin/python3 book/transcripts.py            # regenerate every transcript (minutes; a quiet machine)
     /usr/bin/python3 book/transcripts.py --check    # run every command with tiny settings; exit 1 if one fails
+    python3 book/transcripts.py --gpu-only book/07_the_same_cache_on_a_gpu.md   # on a machine with a GPU
 
 Commands run in order, chapter by chapter, with bash, in a scratch folder that looks like the repository
 (build/, data/ and plots/ lead to the real ones), so files a command writes (naive.csv, long_prompt.txt)
@@ -30,10 +35,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BOOK = ROOT / "book"
 MARK = "<!-- transcript -->"
+GPU_MARK = "<!-- transcript gpu -->"
 MACHINE_PREFIX = "<sub>Captured by `book/transcripts.py`"
 
 
-def machine_line():
+def gpu_name():
+    """The first GPU nvidia-smi lists, or None where there is none."""
+    try:
+        result = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = result.stdout.decode().strip().splitlines()
+    return lines[0].strip() if result.returncode == 0 and lines else None
+
+
+def machine_line(gpu=None):
     cpu = platform.processor() or "unknown CPU"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -44,7 +61,8 @@ def machine_line():
         pass
     cores = len(os.sched_getaffinity(0))
     day = datetime.date.today().isoformat()
-    return (f"{MACHINE_PREFIX} on {cpu}, {cores} cores, {day}; threads as printed (default: every core). "
+    where = f"{gpu} (GPU: name, memory, driver) with {cpu}, {cores} cores" if gpu else f"{cpu}, {cores} cores"
+    return (f"{MACHINE_PREFIX} on {where}, {day}; threads as printed (default: every core). "
             f"Timings differ on your machine; counts, bytes and text do not.</sub>")
 
 
@@ -93,25 +111,29 @@ def run(command, cwd):
 
 
 def blocks(text):
-    """(start, end) line indices of each transcript block's body, between its fences."""
+    """(start, end, needs_gpu) for each transcript block: the line indices of its body, between its fences."""
     lines = text.split("\n")
     for i, line in enumerate(lines):
-        if line.strip() == MARK:
+        if line.strip() in (MARK, GPU_MARK):
             if i + 1 >= len(lines) or not lines[i + 1].startswith("```"):
-                raise SystemExit(f"a {MARK} line must be followed by a ``` block")
+                raise SystemExit(f"a {line.strip()} line must be followed by a ``` block")
             end = next((j for j in range(i + 2, len(lines)) if lines[j].startswith("```")), None)
             if end is None:
-                raise SystemExit(f"a {MARK} block is never closed with ```")
-            yield i + 2, end
+                raise SystemExit(f"a {line.strip()} block is never closed with ```")
+            yield i + 2, end, line.strip() == GPU_MARK
 
 
-def process(path, cwd, check):
+def process(path, cwd, check, gpu, gpu_only):
     text = path.read_text()
     lines = text.split("\n")
     failures = 0
     out = []
     cursor = 0
-    for start, end in list(blocks(text)):
+    for start, end, needs_gpu in list(blocks(text)):
+        if (needs_gpu and not gpu) or (gpu_only and not needs_gpu):
+            if needs_gpu and not gpu:
+                print(f"[{path.name}] a GPU transcript left as captured: nvidia-smi finds no GPU here", file=sys.stderr)
+            continue  # the block and its machine line stay as they are
         out.extend(lines[cursor:start])
         commands = [line[2:] for line in lines[start:end] if line.startswith("$ ")]
         body = []
@@ -132,7 +154,7 @@ def process(path, cwd, check):
         # the machine line right after the block: replaced, or inserted
         if cursor < len(lines) and lines[cursor].startswith(MACHINE_PREFIX):
             cursor += 1
-        out.append(machine_line())
+        out.append(machine_line(gpu if needs_gpu else None))
     out.extend(lines[cursor:])
     if not check and failures == 0:  # a failed command's output never lands in the book
         path.write_text("\n".join(out))
@@ -142,15 +164,17 @@ def process(path, cwd, check):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="run every command with tiny settings, change nothing")
+    parser.add_argument("--gpu-only", action="store_true", help="re-run only the blocks that need a GPU")
     parser.add_argument("chapters", nargs="*", help="book files to process (default: every chapter, in order)")
     args = parser.parse_args()
     paths = [Path(p).resolve() for p in args.chapters] or sorted(BOOK.glob("[0-9][0-9]_*.md"))
     cwd = scratch_folder(args.check)
     try:
-        failures = sum(process(path, cwd, args.check) for path in paths)
+        gpu = gpu_name()
+        failures = sum(process(path, cwd, args.check, gpu, args.gpu_only) for path in paths)
     finally:
         shutil.rmtree(cwd)
-    if not args.check:
+    if not args.check and not args.gpu_only:
         code, output = run(f"/usr/bin/python3 '{ROOT}/plots/plot.py'", ROOT)
         print(output, file=sys.stderr)
         failures += code != 0
