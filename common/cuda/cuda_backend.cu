@@ -396,7 +396,7 @@ constexpr unsigned kMaxBlocks = 4096;
 // Decoding's chunks: kRowsPerSplit rows each (four rounds of a block's warps, kRowsInFlight rows each), more
 // where a view would need more than kMaxSplits of them: the merge reads every chunk's partial, and at 16,384
 // positions 256 chunks of 64 rows made the synthetic model's step 3.9-4.1 ms, 64 chunks of 256 rows 3.4-3.5 (H100,
-// one run; 8 warps per block: 3-5% faster at 512 and 4,096 positions, 9% slower at 16,384; 8 rows in flight:
+// one run; 8 warps per block: 2-6% faster at 512 and 4,096 positions, 5-9% slower at 16,384; 8 rows in flight:
 // slower at each). A view of one chunk needs no merge. Up to
 // 4,096 rows, chunks start at the same rows in a view of a whole buffer and in one of its written prefix, so
 // both give the same bits (tested).
