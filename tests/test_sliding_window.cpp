@@ -108,65 +108,68 @@ TEST_CASE("sliding window: the ring equals a full cache masked to the window, ac
   });
 }
 
-TEST_CASE("sliding window: the window matters - past it, a ring and a full unmasked cache disagree") {
+TEST_CASE("sliding window: the window matters - past it, a ring and a full unmasked cache disagree, on every backend") {
   const Checkpoint checkpoint(test::golden_path("gqa.bin"));
   const ModelConfig& c = checkpoint.config();
-  CpuBackend backend(1);
-  Model model(checkpoint, backend);
-  const std::vector<int> tokens = random_tokens(30, c.vocab_size, 3);
-  ch03::PreallocatedKvCache full(backend, c, 30);
-  ch04::SlidingWindowKvCache ring(backend, c, {8, 0}, 1);
-  const std::vector<float> a = all_logits(model, full, tokens, 1), b = all_logits(model, ring, tokens, 1);
-  const std::size_t inside = std::size_t(8) * c.vocab_size;  // the first 8 positions see everything in both
-  CHECK(max_difference({a.begin(), a.begin() + inside}, {b.begin(), b.begin() + inside}) <= kTolerance);
-  CHECK(max_difference(a, b) > 100 * kTolerance);
+  test::for_each_backend(test::test_backend_names(), [&](Backend& backend) {
+    Model model(checkpoint, backend);
+    const std::vector<int> tokens = random_tokens(30, c.vocab_size, 3);
+    ch03::PreallocatedKvCache full(backend, c, 30);
+    ch04::SlidingWindowKvCache ring(backend, c, {8, 0}, 1);
+    const std::vector<float> a = all_logits(model, full, tokens, 1), b = all_logits(model, ring, tokens, 1);
+    const std::size_t inside = std::size_t(8) * c.vocab_size;  // the first 8 positions see everything in both
+    CHECK(max_difference({a.begin(), a.begin() + inside}, {b.begin(), b.begin() + inside}) <= kTolerance);
+    CHECK(max_difference(a, b) > 100 * kTolerance);
+  });
 }
 
-TEST_CASE("sliding window: both position variants agree until the first eviction, then differ only with sinks") {
+TEST_CASE("sliding window: both position variants agree until the first eviction, then differ only with sinks, on every backend") {
   const Checkpoint checkpoint(test::golden_path("gqa.bin"));
   const ModelConfig& c = checkpoint.config();
-  CpuBackend backend(1);
-  Model model(checkpoint, backend);
-  const int W = 16;
-  const std::vector<int> tokens = random_tokens(3 * W, c.vocab_size, 9);
-  const std::size_t before_eviction = std::size_t(W) * c.vocab_size;  // positions 0 .. W-1 see every key
-  for (int sinks : {0, 4}) {
-    CAPTURE(sinks);
-    ch04::SlidingWindowKvCache absolute(backend, c, {W, sinks}, 1), within(backend, c, {W, sinks}, 1,
-                                                                          ch04::KeyPositions::kWithinWindow);
-    const std::vector<float> a = all_logits(model, absolute, tokens, 1), b = all_logits(model, within, tokens, 1);
-    CHECK(max_difference({a.begin(), a.begin() + before_eviction}, {b.begin(), b.begin() + before_eviction}) <= kTolerance);
-    // RoPE scores depend on the distance between query and key only: without sinks every distance is the
-    // true one in both variants, so they stay equal; sinks sit closer in the within-window variant.
-    if (sinks == 0) CHECK(max_difference(a, b) <= kTolerance);
-    else CHECK(max_difference(a, b) > 100 * kTolerance);
-  }
-  // Greedy tokens on the shipped model, a prompt shorter than the window: the same text.
-  const Checkpoint kjv(find_data_file("kjv-gpt.bin"));
-  Model kjv_model(kjv, backend);
-  const std::vector<int> prompt = encode_bytes("And God said, ");
-  ch04::SlidingWindowKvCache absolute(backend, kjv.config(), {64, 4}, 1),
-      within(backend, kjv.config(), {64, 4}, 1, ch04::KeyPositions::kWithinWindow);
-  Sampler s1(256, {}), s2(256, {});
-  const Generation a = generate_cached(kjv_model, absolute, s1, prompt, 64 - int(prompt.size()), 1);
-  const Generation b = generate_cached(kjv_model, within, s2, prompt, 64 - int(prompt.size()), 1);
-  CHECK(a.tokens == b.tokens);
+  test::for_each_backend(test::test_backend_names(), [&](Backend& backend) {
+    Model model(checkpoint, backend);
+    const int W = 16;
+    const std::vector<int> tokens = random_tokens(3 * W, c.vocab_size, 9);
+    const std::size_t before_eviction = std::size_t(W) * c.vocab_size;  // positions 0 .. W-1 see every key
+    for (int sinks : {0, 4}) {
+      CAPTURE(sinks);
+      ch04::SlidingWindowKvCache absolute(backend, c, {W, sinks}, 1), within(backend, c, {W, sinks}, 1,
+                                                                            ch04::KeyPositions::kWithinWindow);
+      const std::vector<float> a = all_logits(model, absolute, tokens, 1), b = all_logits(model, within, tokens, 1);
+      CHECK(max_difference({a.begin(), a.begin() + before_eviction}, {b.begin(), b.begin() + before_eviction}) <= kTolerance);
+      // RoPE scores depend on the distance between query and key only: without sinks every distance is the
+      // true one in both variants, so they stay equal; sinks sit closer in the within-window variant.
+      if (sinks == 0) CHECK(max_difference(a, b) <= kTolerance);
+      else CHECK(max_difference(a, b) > 100 * kTolerance);
+    }
+    // Greedy tokens on the shipped model, a prompt shorter than the window: the same text.
+    const Checkpoint kjv(find_data_file("kjv-gpt.bin"));
+    Model kjv_model(kjv, backend);
+    const std::vector<int> prompt = encode_bytes("And God said, ");
+    ch04::SlidingWindowKvCache absolute(backend, kjv.config(), {64, 4}, 1),
+        within(backend, kjv.config(), {64, 4}, 1, ch04::KeyPositions::kWithinWindow);
+    Sampler s1(256, {}), s2(256, {});
+    const Generation a = generate_cached(kjv_model, absolute, s1, prompt, 64 - int(prompt.size()), 1);
+    const Generation b = generate_cached(kjv_model, within, s2, prompt, 64 - int(prompt.size()), 1);
+    CHECK(a.tokens == b.tokens);
+  });
 }
 
-TEST_CASE("sliding window, within-window positions: generation runs past the trained context in the same memory") {
+TEST_CASE("sliding window, within-window positions: generation runs past the trained context in the same memory, on every backend") {
   const Checkpoint checkpoint(test::golden_path("gqa.bin"));
   const ModelConfig& c = checkpoint.config();
-  CpuBackend backend(1);
-  Model model(checkpoint, backend);
-  ch04::SlidingWindowKvCache cache(backend, c, {8, 2}, 4, ch04::KeyPositions::kWithinWindow);
-  Sampler sampler(c.vocab_size, {});
-  const int length = 3 * c.seq_len;
-  const Generation g = generate_cached(model, cache, sampler, random_tokens(6, c.vocab_size, 5), length - 6, 4);
-  CHECK(cache.length() == length - 1);  // the last token generated is not fed back
-  CHECK(cache.allocated_bytes() == kv_cache_bytes(c, 8 + 4 - 1));
-  CHECK(std::ranges::all_of(g.tokens, [&](int t) { return t >= 0 && t < c.vocab_size; }));
-  CHECK_THROWS_WITH(ch04::SlidingWindowKvCache(backend, c, {c.seq_len + 1, 0}, 1, ch04::KeyPositions::kWithinWindow),
-                    doctest::Contains("past the model's trained context"));
+  test::for_each_backend(test::test_backend_names(), [&](Backend& backend) {
+    Model model(checkpoint, backend);
+    ch04::SlidingWindowKvCache cache(backend, c, {8, 2}, 4, ch04::KeyPositions::kWithinWindow);
+    Sampler sampler(c.vocab_size, {});
+    const int length = 3 * c.seq_len;
+    const Generation g = generate_cached(model, cache, sampler, random_tokens(6, c.vocab_size, 5), length - 6, 4);
+    CHECK(cache.length() == length - 1);  // the last token generated is not fed back
+    CHECK(cache.allocated_bytes() == kv_cache_bytes(c, 8 + 4 - 1));
+    CHECK(std::ranges::all_of(g.tokens, [&](int t) { return t >= 0 && t < c.vocab_size; }));
+    CHECK_THROWS_WITH(ch04::SlidingWindowKvCache(backend, c, {c.seq_len + 1, 0}, 1, ch04::KeyPositions::kWithinWindow),
+                      doctest::Contains("past the model's trained context"));
+  });
 }
 
 TEST_CASE("sliding window: a window as long as the sequence is the full cache, tokens and logits") {
