@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kv_cache.h"
+#include "ring.h"
 
 namespace kvs {
 
@@ -50,6 +51,7 @@ class Backend {
   virtual int* allocate_ints(std::size_t count) = 0;  // uninitialised
   virtual void release(int* p) = 0;
   virtual void from_host(int* dst, const int* host, std::size_t count) = 0;
+  virtual void to_host(int* host, const int* src, std::size_t count) = 0;
   // Weights the operations can read, copied into backend memory once and held until the backend is
   // destroyed: a vector or a table (embedding rows) as it is; a weight matrix (rows, cols), row-major on the
   // host, in the layout this backend's matmul reads (the CPU stores it transposed, cpu_backend.cpp says why;
@@ -97,9 +99,15 @@ class Backend {
   // second copy of it.
   virtual void attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
                          const AttentionShape& shape, std::span<float> scratch, float* weights) = 0;
-  // rows[slots[i]] (width floats, rows row_stride floats apart) = src[i] (n, width): a cache write whose
-  // destination rows are read from backend memory, so a recorded decode step writes the right row.
-  virtual void write_rows(float* rows, int row_stride, const int* slots, const float* src, int n, int width) = 0;
+  // rows[ring.write_slot(positions[i])] (width floats, rows row_stride floats apart) = src[i] (n, width): a
+  // cache write whose positions are read from backend memory and turned into rows there (ring.h's one
+  // definition of the slot; Ring::unbounded() for row p = position p), so a recorded decode step writes the
+  // right row at every position.
+  virtual void write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
+                          int width) = 0;
+  // slot_positions[ring.write_slot(positions[i])] = positions[i] for i < n: which position each slot of a ring
+  // holds (a KvView's row_positions), kept in backend memory by the same arithmetic as write_rows.
+  virtual void write_positions(int* slot_positions, const int* positions, Ring ring, int n) = 0;
   // gate (count) = silu(gate) ⊙ up
   virtual void swiglu(float* gate, const float* up, std::size_t count) = 0;
   // x (count) += y

@@ -204,6 +204,8 @@ void CpuBackend::from_host(int* dst, const int* host, std::size_t count) {
   if (count > 0 && dst != host) std::memcpy(dst, host, count * sizeof(int));
 }
 
+void CpuBackend::to_host(int* host, const int* src, std::size_t count) { from_host(host, src, count); }
+
 std::string CpuBackend::describe() const {
   return std::string(name()) + ", " + std::to_string(threads_) + " thread" + (threads_ > 1 ? "s" : "");
 }
@@ -422,9 +424,14 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
   else for (int h = 0; h < shape.n_heads; ++h) one_head(h);
 }
 
-void CpuBackend::write_rows(float* rows, int row_stride, const int* slots, const float* src, int n, int width) {
+void CpuBackend::write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
+                            int width) {
   for (int i = 0; i < n; ++i)
-    copy(rows + std::size_t(slots[i]) * row_stride, src + std::size_t(i) * width, std::size_t(width));
+    copy(rows + std::size_t(ring.write_slot(positions[i])) * row_stride, src + std::size_t(i) * width, std::size_t(width));
+}
+
+void CpuBackend::write_positions(int* slot_positions, const int* positions, Ring ring, int n) {
+  for (int i = 0; i < n; ++i) slot_positions[ring.write_slot(positions[i])] = positions[i];
 }
 
 void CpuBackend::swiglu(float* gate, const float* up, std::size_t count) {

@@ -27,6 +27,7 @@ class CpuBackend final : public Backend {
   int* allocate_ints(std::size_t count) override;
   void release(int* p) override;
   void from_host(int* dst, const int* host, std::size_t count) override;
+  void to_host(int* host, const int* src, std::size_t count) override;
   const float* upload_weights(const float* host, std::size_t floats) override;
   const float* upload_matrix(const float* host, int rows, int cols) override;
   // Bytes of the weights uploaded so far (what Model::weight_bytes predicts).
@@ -44,7 +45,9 @@ class CpuBackend final : public Backend {
   void rope(float* x, const float* table, int n, int heads, int head_dim) override;
   void attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
                  const AttentionShape& shape, std::span<float> scratch, float* weights) override;
-  void write_rows(float* rows, int row_stride, const int* slots, const float* src, int n, int width) override;
+  void write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
+                  int width) override;
+  void write_positions(int* slot_positions, const int* positions, Ring ring, int n) override;
   void swiglu(float* gate, const float* up, std::size_t count) override;
   void add(float* x, const float* y, std::size_t count) override;
 

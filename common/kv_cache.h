@@ -13,6 +13,7 @@
 #include <string>
 
 #include "host_device.h"
+#include "ring.h"
 
 namespace kvs {
 
@@ -55,8 +56,9 @@ struct KvView {
   const float* values = nullptr;  // (rows, row_stride)
   int rows = 0;
   int row_stride = 0;
-  // Row r holds position row_positions[r] (a negative value marks an empty row), or, when
-  // row_positions is null, position first_position + r. A row a query may not see (key_visible) never
+  // Row r holds position row_positions[r] (backend memory, like the rows: a ring cache keeps it there with
+  // Backend::write_positions; a negative value marks an empty row), or, when row_positions is null, position
+  // first_position + r. A row a query may not see (key_visible) never
   // contributes to its output, whatever the row's bytes: an empty slot may hold anything, NaN included.
   const int* row_positions = nullptr;
   int first_position = 0;

@@ -87,6 +87,7 @@ void Model::observe_attention(AttentionObserver* observer) {
     const std::size_t floats = std::size_t(max_tokens_) * config_.n_heads * max_kv_rows_;
     observed_weights_ = Buffer(backend_, floats);
     host_weights_.resize(floats);
+    host_row_positions_.resize(max_kv_rows_);
   }
   observer_ = observer;
 }
@@ -151,7 +152,12 @@ void Model::compute(int n, int pos, KvCache& kv, Logits which) {
     if (observer_) {
       const std::size_t count = std::size_t(n) * c.n_heads * visible.rows;
       b.to_host(host_weights_.data(), weights, count);
-      observer_->on_attention(l, pos, n, visible, {host_weights_.data(), count});
+      KvView observed = visible;  // row positions live in backend memory (a ring's): the observer reads a copy
+      if (visible.row_positions) {
+        b.to_host(host_row_positions_.data(), visible.row_positions, visible.rows);
+        observed.row_positions = host_row_positions_.data();
+      }
+      observer_->on_attention(l, pos, n, observed, {host_weights_.data(), count});
     }
     b.matmul(xb, att, w.wo, n, dim, dim);             // xb (n, dim)
     b.add(x, xb, std::size_t(n) * dim);
@@ -184,7 +190,7 @@ RecordedDecode::RecordedDecode(Model& model, KvCache& cache) : model_(model), ca
                                 " backend cannot record operations; decode with forward() instead");
   if (!cache.replayable())
     throw std::invalid_argument("recorded decoding needs a cache whose views and writes do not depend on the "
-                                "position (chapter 03's preallocated cache); this one is not replayable");
+                                "position (chapter 03's preallocated cache, chapter 04's ring); this one is not replayable");
 }
 
 std::span<const float> RecordedDecode::step(int token, int pos) {

@@ -19,7 +19,8 @@ class AttentionObserver {
   virtual ~AttentionObserver() = default;
   // weights (n, n_heads, view.rows), host memory valid during the call: the softmax weight each query
   // position pos .. pos+n-1 and head puts on each row of `view` (0 on rows it may not see). view is what
-  // the cache showed this layer: view.position_of(r) says which position row r holds.
+  // the cache showed this layer, its row positions copied to host memory (its keys and values stay in the
+  // backend's): view.position_of(r) says which position row r holds.
   virtual void on_attention(int layer, int pos, int n, const KvView& view, std::span<const float> weights) = 0;
 };
 
@@ -94,6 +95,7 @@ class Model {
   AttentionObserver* observer_ = nullptr;
   Buffer observed_weights_;         // (N, n_heads, max_kv_rows) once an observer is attached
   std::vector<float> host_weights_; // (N, n_heads, max_kv_rows)
+  std::vector<int> host_row_positions_;  // (max_kv_rows) an observed view's row positions, copied to the host
 };
 
 // Decoding with one launch per token (a CUDA graph on the GPU). The first step() records the forward pass

@@ -42,6 +42,9 @@ class ProfilingBackend final : public Backend {
   void from_host(int* dst, const int* host, std::size_t count) override {
     timed(OpKind::kOther, [&] { inner_.from_host(dst, host, count); });
   }
+  void to_host(int* host, const int* src, std::size_t count) override {
+    timed(OpKind::kOther, [&] { inner_.to_host(host, src, count); });
+  }
   const float* upload_weights(const float* host, std::size_t floats) override { return inner_.upload_weights(host, floats); }
   const float* upload_matrix(const float* host, int rows, int cols) override { return inner_.upload_matrix(host, rows, cols); }
   void copy(float* dst, const float* src, std::size_t floats) override {
@@ -76,8 +79,12 @@ class ProfilingBackend final : public Backend {
                  const AttentionShape& shape, std::span<float> scratch, float* weights) override {
     timed(OpKind::kAttention, [&] { inner_.attention(out, q, positions, n, kv, shape, scratch, weights); });
   }
-  void write_rows(float* rows, int row_stride, const int* slots, const float* src, int n, int width) override {
-    timed(OpKind::kOther, [&] { inner_.write_rows(rows, row_stride, slots, src, n, width); });
+  void write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
+                  int width) override {
+    timed(OpKind::kOther, [&] { inner_.write_rows(rows, row_stride, positions, ring, src, n, width); });
+  }
+  void write_positions(int* slot_positions, const int* positions, Ring ring, int n) override {
+    timed(OpKind::kOther, [&] { inner_.write_positions(slot_positions, positions, ring, n); });
   }
   void swiglu(float* gate, const float* up, std::size_t count) override {
     timed(OpKind::kOther, [&] { inner_.swiglu(gate, up, count); });

@@ -16,6 +16,10 @@ struct Ring {
   int slots = 1;  // > sinks
   int sinks = 0;
 
+  // The ring that never wraps: position p in slot p (chapter 03's preallocated cache, whose row p holds
+  // position p), for positions below 2^31 - 1.
+  static constexpr Ring unbounded() { return Ring{2147483647, 0}; }
+
   // The slot position `pos` is written to.
   KVS_HOST_DEVICE int write_slot(int pos) const {
     return pos < sinks ? pos : sinks + (pos - sinks) % (slots - sinks);

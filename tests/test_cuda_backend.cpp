@@ -173,8 +173,11 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
       Buffer d_keys = test::to_backend(b, keys), d_values = test::to_backend(b, values), d_q = test::to_backend(b, q);
       Buffer d_out(b, q.size()), scratch(b, b.attention_scratch_floats(shape, rows));
       Buffer d_table = test::to_backend(b, table);
+      IntBuffer d_positions(b, positions.size());  // a view's row positions live in backend memory too
+      b.from_host(d_positions.data(), positions.data(), positions.size());
       KvView view = host_view;
       view.keys = d_keys.data(), view.values = d_values.data();
+      if (explicit_positions) view.row_positions = d_positions.data();
       if (rotate_at_read) view.read_rope = d_table.data();
       const IntBuffer query_positions = consecutive_positions(b, pos, n);
       b.attention(d_out.data(), d_q.data(), query_positions.data(), n, view, shape, {scratch.data(), scratch.size()}, nullptr);

@@ -12,6 +12,7 @@
 
 #include "02_dynamic_cache/growing_kv_cache.h"
 #include "03_preallocated_cache/preallocated_kv_cache.h"
+#include "04_sliding_window/sliding_window_kv_cache.h"
 #include "cli.h"
 #include "cpu_backend.h"
 #include "equivalence.h"
@@ -34,22 +35,35 @@ TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on
     const int new_tokens = name == "cuda" ? 200 : 24;
     const int positions = static_cast<int>(prompt.size()) + new_tokens;
     Model model(checkpoint, *backend, positions, positions);
-    auto run = [&](DecodeSteps steps) {
-      return record([&](const OnLogits& on_logits) {
-        ch03::PreallocatedKvCache cache(*backend, checkpoint.config(), positions);
-        Sampler greedy(256, {});
-        return generate_cached(model, cache, greedy, prompt, new_tokens, 0, {}, on_logits, {}, steps);
-      });
-    };
-    const RecordedRun forward = run(DecodeSteps::kForward), replayed = run(DecodeSteps::kRecorded);
-    const Equivalence e = check_equivalence(forward, replayed, static_cast<int>(prompt.size()));
-    MESSAGE(name << ": " << e.steps << " steps, worst logit difference " << e.worst_logit_difference);
-    CHECK(e.steps == new_tokens);
-    CHECK(e.first_token_mismatch == -1);
-    // The same kernels on the same memory: exactly the same logits in the harness. A GPU's matrix products
-    // may pick another reduction order inside a graph, so there the equivalence tolerance applies.
-    if (name == "cuda") CHECK(e.worst_logit_difference <= kLogitTolerance);
-    else CHECK(e.worst_logit_difference == 0.0f);
+    // Chapter 03's cache, and chapter 04's ring in both position variants: a window of 16 with 4 sinks,
+    // which the text wraps many times (prefill in chunks of 8: the ring holds 16 + 8 - 1 slots).
+    const Window window{16, 4};
+    for (const char* kind : {"preallocated", "ring, absolute positions", "ring, within-window positions"}) {
+      CAPTURE(kind);
+      auto make_cache = [&]() -> std::unique_ptr<KvCache> {
+        const std::string k = kind;
+        if (k == "preallocated") return std::make_unique<ch03::PreallocatedKvCache>(*backend, checkpoint.config(), positions);
+        return std::make_unique<ch04::SlidingWindowKvCache>(
+            *backend, checkpoint.config(), window, 8,
+            k == "ring, absolute positions" ? ch04::KeyPositions::kAbsolute : ch04::KeyPositions::kWithinWindow);
+      };
+      auto run = [&](DecodeSteps steps) {
+        return record([&](const OnLogits& on_logits) {
+          const std::unique_ptr<KvCache> cache = make_cache();
+          Sampler greedy(256, {});
+          return generate_cached(model, *cache, greedy, prompt, new_tokens, 8, {}, on_logits, {}, steps);
+        });
+      };
+      const RecordedRun forward = run(DecodeSteps::kForward), replayed = run(DecodeSteps::kRecorded);
+      const Equivalence e = check_equivalence(forward, replayed, static_cast<int>(prompt.size()));
+      MESSAGE(name << ", " << std::string(kind) << ": " << e.steps << " steps, worst logit difference " << e.worst_logit_difference);
+      CHECK(e.steps == new_tokens);
+      CHECK(e.first_token_mismatch == -1);
+      // The same kernels on the same memory: exactly the same logits in the harness. A GPU's matrix products
+      // may pick another reduction order inside a graph, so there the equivalence tolerance applies.
+      if (name == "cuda") CHECK(e.worst_logit_difference <= kLogitTolerance);
+      else CHECK(e.worst_logit_difference == 0.0f);
+    }
   }
   if (!any) MESSAGE("no backend in this build can record (the CUDA harness is not built): nothing replayed");
 }
@@ -109,22 +123,41 @@ TEST_CASE("attention: rows past a query's position are never read, whatever they
   });
 }
 
-TEST_CASE("write_rows: each row lands in the slot backend memory names, on every backend") {
+TEST_CASE("write_rows and write_positions: each row lands in its position's slot, on every backend") {
   test::for_each_backend(test::test_backend_names(), [&](Backend& b) {
-    for (int width : {1, 33, 257, 600}) {  // across the kernel's 256-thread block
-      CAPTURE(width);
-      const int stride = width + 5, slots_in_buffer = 9;
-      const std::vector<int> slots = {5, 0, 8, 3};
-      std::vector<float> src(slots.size() * width);
-      for (std::size_t i = 0; i < src.size(); ++i) src[i] = float(i);
-      std::vector<float> want(std::size_t(slots_in_buffer) * stride, -1.0f);
-      for (std::size_t i = 0; i < slots.size(); ++i)
-        for (int d = 0; d < width; ++d) want[std::size_t(slots[i]) * stride + d] = src[i * width + d];
-      Buffer rows = test::to_backend(b, std::vector<float>(want.size(), -1.0f)), d_src = test::to_backend(b, src);
-      IntBuffer d_slots(b, slots.size());
-      b.from_host(d_slots.data(), slots.data(), slots.size());
-      b.write_rows(rows.data(), stride, d_slots.data(), d_src.data(), static_cast<int>(slots.size()), width);
-      CHECK(test::from_backend(b, rows) == want);
-    }
+    // Row p = position p (Ring::unbounded), and a ring of 9 slots, 2 of them sinks: positions 2 .. 8 take
+    // slots 2 .. 8, then 9 wraps to slot 2, 15 to 8, 16 to 2 (ring.h's write_slot, computed by the backend).
+    const std::vector<int> positions = {5, 0, 8, 3, 1, 9, 15, 16};
+    const int slots_in_buffer = 9;
+    for (const Ring ring : {Ring::unbounded(), Ring{slots_in_buffer, 2}})
+      for (int width : {1, 33, 257, 600}) {  // across the kernel's 256-thread block
+        CAPTURE(ring.slots);
+        CAPTURE(width);
+        const bool wraps = ring.slots == slots_in_buffer;
+        const std::vector<int> written = wraps ? positions : std::vector<int>(positions.begin(), positions.begin() + 4);
+        const int stride = width + 5, n = static_cast<int>(written.size());
+        std::vector<float> src(written.size() * width);
+        for (std::size_t i = 0; i < src.size(); ++i) src[i] = float(i);
+        std::vector<float> want(std::size_t(slots_in_buffer) * stride, -1.0f);
+        std::vector<int> want_positions(slots_in_buffer, -1);
+        for (std::size_t i = 0; i < written.size(); ++i) {  // in order: a later position overwrites its slot
+          const int slot = wraps ? (written[i] < 2 ? written[i] : 2 + (written[i] - 2) % 7) : written[i];
+          want_positions[slot] = written[i];
+          for (int d = 0; d < width; ++d) want[std::size_t(slot) * stride + d] = src[i * width + d];
+        }
+        Buffer rows = test::to_backend(b, std::vector<float>(want.size(), -1.0f)), d_src = test::to_backend(b, src);
+        IntBuffer d_positions(b, written.size()), slot_positions(b, slots_in_buffer);
+        b.from_host(d_positions.data(), written.data(), written.size());
+        b.from_host(slot_positions.data(), std::vector<int>(slots_in_buffer, -1).data(), slots_in_buffer);
+        // One call per position, as successive decode steps write them (within one call slots are distinct).
+        for (int i = 0; i < n; ++i) {
+          b.write_rows(rows.data(), stride, d_positions.data() + i, ring, d_src.data() + std::size_t(i) * width, 1, width);
+          b.write_positions(slot_positions.data(), d_positions.data() + i, ring, 1);
+        }
+        CHECK(test::from_backend(b, rows) == want);
+        std::vector<int> got_positions(slots_in_buffer);
+        b.to_host(got_positions.data(), slot_positions.data(), slots_in_buffer);
+        CHECK(got_positions == want_positions);
+      }
   });
 }

@@ -51,7 +51,9 @@ class SlidingWindowKvCache final : public KvCache {
         window_(check(window, max_tokens_per_call, positions, config.seq_len)),
         ring_{window.size + max_tokens_per_call - 1, window.sinks},
         storage_(backend, std::size_t(config.n_layers) * 2 * ring_.slots * config.kv_dim()),
-        slot_positions_(ring_.slots, -1) {
+        slot_positions_(ring_.slots, -1),
+        row_positions_(backend, ring_.slots) {
+    backend.from_host(row_positions_.data(), slot_positions_.data(), slot_positions_.size());  // all -1: empty
     if (positions_ == KeyPositions::kWithinWindow) {  // [cos, sin] of positions 0 .. window - 1, once
       read_rope_ = Buffer(backend, std::size_t(window.size) * config.head_dim());
       backend.rope_table(read_rope_.data(), consecutive_positions(backend, 0, window.size).data(), window.size,
@@ -76,21 +78,24 @@ class SlidingWindowKvCache final : public KvCache {
     length_ = pos + n;
   }
 
-  void write(int layer, int pos, int n, const int*, const float* k, const float* v) override {
+  // The backend turns each position (read from backend memory) into its slot, ring.h's write_slot, for the
+  // rows and for the view's row positions alike: nothing here depends on the position, so a decode step
+  // can be recorded once and replayed (replayable()). The positions plane is the same for every layer;
+  // writing it with each layer keeps write() independent of the order the layers come in.
+  void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) override {
     check_write("SlidingWindowKvCache", layer, n_layers_, pos, n, length_);
-    for (int i = 0; i < n; ++i) {  // one row per position: consecutive positions may wrap
-      const std::size_t row = std::size_t(ring_.write_slot(pos + i)) * kv_dim_;
-      backend_.copy(storage_.data() + block(layer, 0) + row, k + std::size_t(i) * kv_dim_, kv_dim_);
-      backend_.copy(storage_.data() + block(layer, 1) + row, v + std::size_t(i) * kv_dim_, kv_dim_);
-    }
+    backend_.write_rows(storage_.data() + block(layer, 0), kv_dim_, positions, ring_, k, n, kv_dim_);
+    backend_.write_rows(storage_.data() + block(layer, 1), kv_dim_, positions, ring_, v, n, kv_dim_);
+    backend_.write_positions(row_positions_.data(), positions, ring_, n);
   }
 
-  // Every slot, in slot order: row r holds position slot_positions[r] (-1 until first written).
+  // Every slot, in slot order: row r holds position row_positions[r] (-1 until first written).
   KvView view(int layer) const override {
     return KvView{.keys = storage_.data() + block(layer, 0), .values = storage_.data() + block(layer, 1),
-                  .rows = ring_.slots, .row_stride = kv_dim_, .row_positions = slot_positions_.data(),
+                  .rows = ring_.slots, .row_stride = kv_dim_, .row_positions = row_positions_.data(),
                   .first_position = 0, .window = window_, .read_rope = read_rope_.data()};
   }
+  bool replayable() const override { return true; }
 
   int length() const override { return length_; }
   KvRow row(int layer, int position) override {
@@ -135,7 +140,8 @@ class SlidingWindowKvCache final : public KvCache {
   Window window_;
   Ring ring_;
   Buffer storage_;                   // (layers, 2, slots, kv_dim)
-  std::vector<int> slot_positions_;  // (slots) the position each slot holds, -1: never written
+  std::vector<int> slot_positions_;  // (slots) the position each slot holds, -1: never written (host: row())
+  IntBuffer row_positions_;          // (slots) the same, in backend memory, written by the backend: view()
   Buffer read_rope_;                 // (window, head_dim/2, 2), kWithinWindow only
   int length_ = 0;
 };

@@ -83,12 +83,20 @@ __global__ void rope_table_kernel(float* table, const int* positions, int n, int
   rope_cos_sin(positions[index / pairs], index % pairs, head_dim, table + std::size_t(index) * 2);
 }
 
-// rows[slots[i]] = src[i]: row i of src (n, width) into row slots[i] of `rows` (row_stride floats apart);
-// slots in device memory. Grid (n), block 256: block i copies row i, its threads stride over width.
-__global__ void write_rows_kernel(float* rows, int row_stride, const int* slots, const float* src, int width) {
+// rows[ring.write_slot(positions[i])] = src[i]: row i of src (n, width) into the slot of its position in
+// `rows` (row_stride floats apart); positions in device memory. Grid (n), block 256: block i copies row i, its
+// threads stride over width.
+__global__ void write_rows_kernel(float* rows, int row_stride, const int* positions, Ring ring, const float* src,
+                                  int width) {
   const std::size_t i = blockIdx.x;
-  float* row = rows + std::size_t(slots[i]) * row_stride;
+  float* row = rows + std::size_t(ring.write_slot(positions[i])) * row_stride;
   for (int d = threadIdx.x; d < width; d += blockDim.x) row[d] = src[i * width + d];
+}
+
+// slot_positions[ring.write_slot(positions[i])] = positions[i], i < n. Grid (1), block 256 (n: a call's
+// positions, at most a prefill chunk), threads stride over i.
+__global__ void write_positions_kernel(int* slot_positions, const int* positions, Ring ring, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) slot_positions[ring.write_slot(positions[i])] = positions[i];
 }
 
 // Rotates x (n, heads, head_dim) in place. Grid (ceil(n · heads · pairs / 256)), block 256: one thread per
@@ -279,7 +287,7 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));
 
   float query[kMaxTile][kElements], values[kMaxTile][kElements], running_max[kMaxTile], total[kMaxTile];
-KVS_UNROLL
+  KVS_UNROLL
   for (int t = 0; t < kMaxTile; ++t) {
     if (t < tile) load_query(query[t], q + std::size_t(first_head + t) * head_dim, kv, query_pos, head_dim, lane);
     for (int j = 0; j < kElements; ++j) values[t][j] = 0.0f;
@@ -288,7 +296,7 @@ KVS_UNROLL
   for (int first = row_begin + warp * kRowsInFlight; first < row_end; first += kDecodeWarps * kRowsInFlight) {
     float key[kRowsInFlight][kElements], value[kRowsInFlight][kElements];
     bool visible[kRowsInFlight];
-KVS_UNROLL
+    KVS_UNROLL
     for (int i = 0; i < kRowsInFlight; ++i) {
       const int r = first + i, key_pos = r < row_end ? kv.position_of(r) : -1;
       visible[i] = r < row_end && key_visible(query_pos, key_pos, kv.window);  // the same in every lane
@@ -300,7 +308,7 @@ KVS_UNROLL
         value[i][j] = load ? value_row[d] : 0.0f;
       }
     }
-KVS_UNROLL
+    KVS_UNROLL
     for (int t = 0; t < kMaxTile; ++t) {
       if (t >= tile) break;
       float score[kRowsInFlight], new_max = running_max[t];
@@ -322,7 +330,7 @@ KVS_UNROLL
       running_max[t] = new_max;
     }
   }
-KVS_UNROLL
+  KVS_UNROLL
   for (int t = 0; t < kMaxTile; ++t) {
     if (t >= tile) break;
     if (lane == 0) parts.max[warp][t] = running_max[t], parts.total[warp][t] = total[t];
@@ -332,7 +340,7 @@ KVS_UNROLL
     }
   }
   __syncthreads();
-KVS_UNROLL
+  KVS_UNROLL
   for (int t = 0; t < kMaxTile; ++t) {
     if (t >= tile) break;
     float block_max = -INFINITY, block_total = 0.0f;
@@ -395,11 +403,10 @@ constexpr unsigned kMaxBlocks = 4096;
 
 // Decoding's chunks: kRowsPerSplit rows each (four rounds of a block's warps, kRowsInFlight rows each), more
 // where a view would need more than kMaxSplits of them: the merge reads every chunk's partial, and at 16,384
-// positions 256 chunks of 64 rows made the synthetic model's step 3.9-4.1 ms, 64 chunks of 256 rows 3.4-3.5 (H100,
-// one run; 8 warps per block: 2-6% faster at 512 and 4,096 positions, 5-9% slower at 16,384; 8 rows in flight:
-// slower at each). A view of one chunk needs no merge. Up to
-// 4,096 rows, chunks start at the same rows in a view of a whole buffer and in one of its written prefix, so
-// both give the same bits (tested).
+// positions 256 chunks of 64 rows made the synthetic model's step 3.9-4.1 ms, 64 chunks of 256 rows 3.4-3.5
+// (H100, one run; 8 warps per block: 2-6% faster at 512 and 4,096 positions, 5-9% slower at 16,384; 8 rows in
+// flight: slower at each). A view of one chunk needs no merge. Up to 4,096 rows, chunks start at the same rows
+// in a view of a whole buffer and in one of its written prefix, so both give the same bits (tested).
 constexpr int kRowsPerSplit = 4 * kDecodeWarps * kRowsInFlight;
 constexpr int kMaxSplits = 64;
 
@@ -431,7 +438,6 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     if (graph_) cudaGraphExecDestroy(graph_);
     for (float* w : weights_) cudaFree(w);
-    cudaFree(row_positions_);
     cudaStreamDestroy(stream_);
   }
   const char* name() const override { return name_.c_str(); }
@@ -476,6 +482,11 @@ class CudaBackend final : public Backend {
   }
   void from_host(int* dst, const int* host, std::size_t count) override {
     if (count) KVS_CUDA_CHECK(cudaMemcpyAsync(dst, host, count * sizeof(int), cudaMemcpyHostToDevice, stream_));
+  }
+  void to_host(int* host, const int* src, std::size_t count) override {
+    if (!count) return;
+    KVS_CUDA_CHECK(cudaMemcpyAsync(host, src, count * sizeof(int), cudaMemcpyDeviceToHost, stream_));
+    KVS_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
   void synchronize() override { KVS_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
   // Decoding's partial softmaxes (attention_decode_kernel), when split: n_heads · splits · (2 + head_dim).
@@ -531,9 +542,6 @@ class CudaBackend final : public Backend {
                                   " is larger than the CUDA kernel's " + std::to_string(kMaxHeadDim));
     if (kv.read_rope && kv.window.size < 1)
       throw std::invalid_argument("attention: read-time rotation needs a window (its table covers its positions)");
-    KvView device_view = kv;
-    // Per-row positions live in host memory today (a cache's bookkeeping): the kernel reads a copy.
-    if (kv.row_positions) device_view.row_positions = row_positions_on_device(kv.row_positions, kv.rows);
     const int group = shape.n_heads / shape.n_kv_heads;
     if (n == 1 && !weights) {
       // Decoding: one block per (KV head, tile of its query heads, chunk of rows), then the merge when there
@@ -548,16 +556,16 @@ class CudaBackend final : public Backend {
       float* partials = splits > 1 ? scratch.data() : nullptr;
       const dim3 grid(shape.n_kv_heads * (group / tile), splits), block(kDecodeWarps * kWarp);
       if (shape.head_dim <= kWarp)
-        KVS_LAUNCH(attention_decode_kernel<1>, grid, block, 0, stream_, out, partials, q, positions, device_view, group,
+        KVS_LAUNCH(attention_decode_kernel<1>, grid, block, 0, stream_, out, partials, q, positions, kv, group,
                    tile, shape.head_dim, rows_per_split);
       else if (shape.head_dim <= 2 * kWarp)
-        KVS_LAUNCH(attention_decode_kernel<2>, grid, block, 0, stream_, out, partials, q, positions, device_view, group,
+        KVS_LAUNCH(attention_decode_kernel<2>, grid, block, 0, stream_, out, partials, q, positions, kv, group,
                    tile, shape.head_dim, rows_per_split);
       else if (shape.head_dim <= 4 * kWarp)
-        KVS_LAUNCH(attention_decode_kernel<4>, grid, block, 0, stream_, out, partials, q, positions, device_view, group,
+        KVS_LAUNCH(attention_decode_kernel<4>, grid, block, 0, stream_, out, partials, q, positions, kv, group,
                    tile, shape.head_dim, rows_per_split);
       else
-        KVS_LAUNCH(attention_decode_kernel<8>, grid, block, 0, stream_, out, partials, q, positions, device_view, group,
+        KVS_LAUNCH(attention_decode_kernel<8>, grid, block, 0, stream_, out, partials, q, positions, kv, group,
                    tile, shape.head_dim, rows_per_split);
       if (partials)
         KVS_LAUNCH(attention_merge_kernel, dim3(shape.n_heads), dim3(128), 0, stream_, out, partials, splits,
@@ -568,11 +576,15 @@ class CudaBackend final : public Backend {
     // more warps share the rows, one per 64 rows, up to 16).
     const int warps = n == 1 ? std::clamp(kv.rows / 64, 1, kMaxAttentionWarps) : 4;
     KVS_LAUNCH(attention_kernel, dim3(shape.n_heads, n), dim3(warps * kWarp), 0, stream_, out, weights, q, positions,
-               device_view, shape.n_heads, group, shape.head_dim);
+               kv, shape.n_heads, group, shape.head_dim);
   }
-  void write_rows(float* rows, int row_stride, const int* slots, const float* src, int n, int width) override {
-    KVS_LAUNCH(write_rows_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, row_stride, slots,
-               src, width);
+  void write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
+                  int width) override {
+    KVS_LAUNCH(write_rows_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, row_stride,
+               positions, ring, src, width);
+  }
+  void write_positions(int* slot_positions, const int* positions, Ring ring, int n) override {
+    KVS_LAUNCH(write_positions_kernel, dim3(1), dim3(kThreads), 0, stream_, slot_positions, positions, ring, n);
   }
   void swiglu(float* gate, const float* up, std::size_t count) override {
     KVS_LAUNCH(swiglu_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, stream_, gate, up, count);
@@ -591,28 +603,11 @@ class CudaBackend final : public Backend {
     }
     return p;
   }
-  // Copies a view's row positions into a device buffer that grows when a view has more rows than any before
-  // (a ring's rows are fixed: never during decoding). Not recordable (a copy from pageable memory): only
-  // the ring cache has row positions, and it is not replayable.
-  const int* row_positions_on_device(const int* host, int rows) {
-    if (std::size_t(rows) > row_positions_capacity_) {
-      KVS_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old buffer may still be read by queued work
-      KVS_CUDA_CHECK(cudaFree(row_positions_));
-      row_positions_ = nullptr;
-      KVS_CUDA_CHECK(cudaMalloc(&row_positions_, rows * sizeof(int)));
-      row_positions_capacity_ = rows;
-    }
-    // On the stream, so it lands after the queued kernels have read the previous rows.
-    KVS_CUDA_CHECK(cudaMemcpyAsync(row_positions_, host, rows * sizeof(int), cudaMemcpyHostToDevice, stream_));
-    return row_positions_;
-  }
 
   std::string name_;
   cudaStream_t stream_;
   Blas blas_;
   std::vector<float*> weights_;
-  int* row_positions_ = nullptr;
-  std::size_t row_positions_capacity_ = 0;
   cudaGraphExec_t graph_ = nullptr;
   int recordings_ = 0;
 };
