@@ -19,27 +19,31 @@ std::string backend_unavailable(const std::string& name) {
            "and configure again); run with --backend cpu";
 #endif
   }
-  return "unknown backend '" + name + "'; use --backend cpu or --backend cuda";
+  if (name == "cuda-harness") {
+#if defined(KVS_HAVE_CUDA_HARNESS_MODULE)
+    return "";
+#else
+    return "this build has no CUDA harness (Boost.Context was not found when it was configured: install "
+           "libboost-context-dev and configure again); run with --backend cpu";
+#endif
+  }
+  return "unknown backend '" + name + "'; use --backend cpu, --backend cuda or --backend cuda-harness";
 }
 
 namespace {
 
-#if defined(KVS_HAVE_CUDA)
-// The CUDA backend module beside the running binary, loaded once and never unloaded (its backends' code
-// lives there).
-std::unique_ptr<Backend> make_cuda_backend() {
-  static void* module = nullptr;
-  static std::string load_error;
-  if (!module && load_error.empty()) {
-    std::error_code ec;
-    const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-    const std::string path = (exe.parent_path() / "libkvs_cuda.so").string();
-    module = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!module) load_error = "cannot load the CUDA backend (" + std::string(dlerror()) + "); run with --backend cpu";
-  }
-  if (!module) throw std::runtime_error(load_error);
-  auto* create = reinterpret_cast<Backend* (*)()>(dlsym(module, "kvs_create_cuda_backend"));
-  if (!create) throw std::runtime_error("the CUDA backend module has no kvs_create_cuda_backend; rebuild it");
+#if defined(KVS_HAVE_CUDA) || defined(KVS_HAVE_CUDA_HARNESS_MODULE)
+// A backend module beside the running binary (`file`), loaded once and never unloaded (its backends' code
+// lives there), and its entry point `create`.
+std::unique_ptr<Backend> make_module_backend(const char* file, const char* create_name, const char* what) {
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  const std::string path = (exe.parent_path() / file).string();
+  void* module = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);  // the same handle on every later call
+  if (!module)
+    throw std::runtime_error(std::string("cannot load the ") + what + " (" + dlerror() + "); run with --backend cpu");
+  auto* create = reinterpret_cast<Backend* (*)()>(dlsym(module, create_name));
+  if (!create) throw std::runtime_error(std::string(file) + " has no " + create_name + "; rebuild it");
   return std::unique_ptr<Backend>(create());
 }
 #endif
@@ -49,7 +53,11 @@ std::unique_ptr<Backend> make_cuda_backend() {
 std::unique_ptr<Backend> make_backend(const std::string& name, int cpu_threads) {
   if (const std::string why = backend_unavailable(name); !why.empty()) throw std::runtime_error(why);
 #if defined(KVS_HAVE_CUDA)
-  if (name == "cuda") return make_cuda_backend();
+  if (name == "cuda") return make_module_backend("libkvs_cuda.so", "kvs_create_cuda_backend", "CUDA backend");
+#endif
+#if defined(KVS_HAVE_CUDA_HARNESS_MODULE)
+  if (name == "cuda-harness")
+    return make_module_backend("libkvs_cuda_harness.so", "kvs_create_cuda_harness_backend", "CUDA harness");
 #endif
   return std::make_unique<CpuBackend>(cpu_threads);
 }

@@ -1,5 +1,7 @@
 #pragma once
-// Choosing a backend by name (--backend): "cpu" in every build, "cuda" in builds with nvcc.
+// Choosing a backend by name (--backend): "cpu" in every build, "cuda" in builds with nvcc, "cuda-harness"
+// (the CUDA kernels run on the CPU by the CUDA harness; for stepping through a kernel, never for timings) in
+// builds with Boost.Context.
 #include <memory>
 #include <string>
 

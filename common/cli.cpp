@@ -172,7 +172,10 @@ void add_common_flags(ArgParser& p, CommonOptions& o, const std::string& default
       return std::string("--top-k and --seed only apply when sampling; add --temperature T (T > 0) or drop them");
     });
   }
-  p.add_string("--backend", "NAME", "cpu (default) or cuda (an NVIDIA GPU, in builds with the CUDA toolkit)", &o.backend);
+  p.add_string("--backend", "NAME",
+               "cpu (default), cuda (an NVIDIA GPU, in builds with the CUDA toolkit) or cuda-harness (the CUDA "
+               "kernels run on the CPU by the project's harness, to step through one in a debugger: very slow, "
+               "never time it)", &o.backend);
   p.add_check([&o] { return backend_unavailable(o.backend); });
   p.add_int("--threads", "CPU threads for matrix products and attention (default: all cores)", &o.threads, 1, 1024);
   p.add_check([&p, &o] {

@@ -75,7 +75,7 @@ struct CommonOptions {
   float temperature = 0.0f;
   int top_k = 0;
   std::uint64_t seed = 42;
-  std::string backend = "cpu";  // --backend: cpu or cuda
+  std::string backend = "cpu";  // --backend: cpu, cuda or cuda-harness
   int threads = 0;  // 0: every core
   std::string csv;
   std::int64_t memory_limit = std::int64_t{2} << 30;  // bytes a run may plan to use

@@ -258,7 +258,8 @@ TEST_CASE("inputs: --backend takes cpu or cuda, and refuses cuda without a build
   const std::string ch01 = binary("01_naive_generation") + " --model " + golden_path("mha.bin") + " --max-new-tokens 3";
   const auto unknown = run_command(ch01 + " --backend tpu");
   CHECK(unknown.exit_code == 2);
-  CHECK(unknown.err.find("unknown backend 'tpu'; use --backend cpu or --backend cuda") != std::string::npos);
+  CHECK(unknown.err.find("unknown backend 'tpu'; use --backend cpu, --backend cuda or --backend cuda-harness") !=
+        std::string::npos);
   const auto threads = run_command(ch01 + " --backend cuda --threads 1");
   CHECK(threads.exit_code == 2);
 #if defined(KVS_HAVE_CUDA)
@@ -281,6 +282,24 @@ TEST_CASE("inputs: --backend takes cpu or cuda, and refuses cuda without a build
     CHECK(cuda.err.find("run with --backend cpu") != std::string::npos);
     CHECK(std::count(cuda.err.begin(), cuda.err.end(), '\n') == 1);
   }
+}
+
+TEST_CASE("inputs: --backend cuda-harness runs a chapter through the CUDA kernels on the CPU, the text the CPU prints, and is never timed") {
+  // Chapter 03 on the shipped model: every kernel of a decode step runs, one fiber per GPU thread.
+  const std::string ch03 = binary("03_preallocated_cache") + " --max-new-tokens 12";
+  const auto harness = run_command(ch03 + " --backend cuda-harness");
+  const auto bench = run_command(binary("03_benchmark") + " --backend cuda-harness --lengths 32");
+  CHECK(bench.exit_code == 2);
+#if defined(KVS_HAVE_CUDA_HARNESS_MODULE)
+  CAPTURE(harness.err);
+  CHECK(harness.exit_code == 0);
+  CHECK(harness.err.find("CUDA harness") != std::string::npos);  // the backend says what it is
+  CHECK(harness.out == run_command(ch03 + " --backend cpu").out);
+  CHECK(bench.err.find("its timings are neither GPU nor CPU numbers") != std::string::npos);
+#else
+  CHECK(harness.exit_code == 2);
+  CHECK(harness.err.find("this build has no CUDA harness") != std::string::npos);
+#endif
 }
 
 TEST_CASE("errors: usage errors exit 2, runtime errors exit 1, both as one line '<program>: error: ...'") {

@@ -83,6 +83,9 @@ int main(int argc, char** argv) {
         return std::string(flag) + " is for the sweep, not " + (breakdown ? "--breakdown" : "--context-wall");
     for (const char* flag : {"--breakdown", "--lengths", "--max-new-tokens"})
       if (context_wall && parser.given(flag)) return std::string(flag) + " does not apply to --context-wall";
+    if (options.backend == "cuda-harness")
+      return std::string("--backend cuda-harness runs the CUDA kernels on the CPU, one fiber per GPU thread: its "
+                         "timings are neither GPU nor CPU numbers; benchmark with --backend cuda (a GPU) or cpu");
     return std::string();
   });
   parser.parse(argc, argv);

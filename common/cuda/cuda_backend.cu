@@ -622,7 +622,9 @@ std::unique_ptr<Backend> make_cuda_harness_backend() {
 
 }  // namespace kvs
 
-#if !defined(KVS_CUDA_HARNESS)
+#if defined(KVS_CUDA_HARNESS)
+extern "C" kvs::Backend* kvs_create_cuda_harness_backend() { return kvs::make_cuda_harness_backend().release(); }
+#else
 extern "C" kvs::Backend* kvs_create_cuda_backend() {
   int devices = 0;
   const cudaError_t error = cudaGetDeviceCount(&devices);

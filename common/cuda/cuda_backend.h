@@ -8,6 +8,9 @@
 // make_backend("cuda") loads with dlopen: a new backend on device 0, or std::runtime_error ("no CUDA device
 // found ...; run with --backend cpu") when no device can be used.
 extern "C" kvs::Backend* kvs_create_cuda_backend();
+// The entry point of the CUDA harness module (libkvs_cuda_harness.so, built by g++ where the harness is),
+// which make_backend("cuda-harness") loads: the CUDA backend's kernels run on the CPU.
+extern "C" kvs::Backend* kvs_create_cuda_harness_backend();
 
 namespace kvs {
 
