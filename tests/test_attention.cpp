@@ -181,7 +181,7 @@ TEST_CASE("attention: the run-of-rows fast path equals the reference at lengths 
   // head_dim 32 and rows 1 ... 257: scores, softmax and the weighted sum cross 8- and 16-float registers
   // and Eigen's 2- and 4-register unrolls, with odd tails; decode (1 query) and prefill (up to 129 queries,
   // across the 64-query block), without and with a window; on 2 threads heads go to the second thread
-  // once the work pays for it (cpu_backend.cpp).
+  // once the work pays for it (cpu_backend.cpp, from 512 rows with this shape: 511-513 cross it).
   const AttentionShape shape{.n_heads = 4, .n_kv_heads = 2, .head_dim = 32};
   const int kv_dim = shape.n_kv_heads * shape.head_dim;
   std::mt19937 gen(12);
@@ -191,7 +191,7 @@ TEST_CASE("attention: the run-of-rows fast path equals the reference at lengths 
   float worst = 0;
   for (int threads : {1, 2}) {
     CpuBackend backend(threads);
-    for (int rows : {1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 63, 65, 127, 129, 257, 700})
+    for (int rows : {1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 63, 65, 127, 129, 257, 511, 512, 513, 700})
       for (const Window window : {Window{0, 0}, Window{5, 0}, Window{64, 0}}) {
         CAPTURE(threads);
         CAPTURE(rows);
