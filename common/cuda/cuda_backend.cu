@@ -170,17 +170,46 @@ struct PartialSoftmax {
   float total;
 };
 
-// The warps' partial softmaxes, merged through shared memory at the end of attend_rows.
+// The warps' partial softmaxes for each of the kHeads query heads a block serves, merged through shared
+// memory at the end of a kernel: per warp and head the largest score, the sum and Σ exp(score - max) · v.
+template <int kWarps, int kHeads>
 struct WarpPartials {
-  float max[kMaxAttentionWarps];
-  float total[kMaxAttentionWarps];
-  float values[kMaxAttentionWarps][kMaxHeadDim];
+  float warp_max[kWarps][kHeads];
+  float warp_total[kWarps][kHeads];
+  float warp_values[kWarps][kHeads][kMaxHeadDim];
+
+  // Warp `warp`'s partial for head t (lane l holds elements l, l + 32, ... of its values); every lane calls it.
+  template <int kElements>
+  __device__ void store(int warp, int t, float max, float total, const float (&values)[kElements], int head_dim) {
+    const int lane = threadIdx.x % kWarp;
+    if (lane == 0) warp_max[warp][t] = max, warp_total[warp][t] = total;
+    for (int j = 0; j < kElements; ++j) {
+      const int d = lane + j * kWarp;
+      if (d < head_dim) warp_values[warp][t][d] = values[j];
+    }
+  }
+  // After a barrier: the block's largest score and sum for head t, over its `warps` warps.
+  __device__ PartialSoftmax merged(int t, int warps) const {
+    PartialSoftmax block{-INFINITY, 0.0f};
+    for (int w = 0; w < warps; ++w) block.max = fmaxf(block.max, warp_max[w][t]);
+    for (int w = 0; w < warps; ++w)
+      if (warp_max[w][t] != -INFINITY) block.total += warp_total[w][t] * expf(warp_max[w][t] - block.max);
+    return block;
+  }
+  // Element d of the block's Σ exp(score - block_max) · v for head t.
+  __device__ float merged_value(int t, int d, float block_max, int warps) const {
+    float o = 0.0f;
+    for (int w = 0; w < warps; ++w)
+      if (warp_max[w][t] != -INFINITY) o += warp_values[w][t][d] * expf(warp_max[w][t] - block_max);
+    return o;
+  }
 };
+using HeadPartials = WarpPartials<kMaxAttentionWarps, 1>;  // attention_kernel: a block serves one head
 
 // One block's online softmax over the view rows [row_begin, row_end) for one query head: warp w visits rows
 // row_begin + w, + warps, ...; every thread of the block must call it (it ends with a barrier). Returns the
-// block's merged maximum and sum in every thread; merged_value(parts, ...) gives its weighted values.
-__device__ PartialSoftmax attend_rows(WarpPartials& parts, const float (&query)[kPerLane], const KvView& kv,
+// block's merged maximum and sum in every thread; parts.merged_value(0, ...) gives its weighted values.
+__device__ PartialSoftmax attend_rows(HeadPartials& parts, const float (&query)[kPerLane], const KvView& kv,
                                       int row_begin, int row_end, int query_pos, int kv_offset, int head_dim) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   float values[kPerLane] = {};
@@ -200,25 +229,9 @@ __device__ PartialSoftmax attend_rows(WarpPartials& parts, const float (&query)[
     }
     running_max = new_max;
   }
-  if (lane == 0) parts.max[warp] = running_max, parts.total[warp] = total;
-  for (int j = 0; j < kPerLane; ++j) {
-    const int d = lane + j * kWarp;
-    if (d < head_dim) parts.values[warp][d] = values[j];
-  }
+  parts.store(warp, 0, running_max, total, values, head_dim);
   __syncthreads();
-  PartialSoftmax block{-INFINITY, 0.0f};
-  for (int w = 0; w < warps; ++w) block.max = fmaxf(block.max, parts.max[w]);
-  for (int w = 0; w < warps; ++w)
-    if (parts.max[w] != -INFINITY) block.total += parts.total[w] * expf(parts.max[w] - block.max);
-  return block;
-}
-
-// Element d of the block's Σ exp(score - block_max) · v, after attend_rows.
-__device__ float merged_value(const WarpPartials& parts, int d, float block_max) {
-  float o = 0.0f;
-  for (int w = 0; w < int(blockDim.x / kWarp); ++w)
-    if (parts.max[w] != -INFINITY) o += parts.values[w][d] * expf(parts.max[w] - block_max);
-  return o;
+  return parts.merged(0, warps);
 }
 
 // out (n, n_heads · head_dim), q (n, n_heads · head_dim) at positions[0 .. n-1] (device memory).
@@ -229,7 +242,7 @@ __device__ float merged_value(const WarpPartials& parts, int d, float block_max)
 __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
     attention_kernel(float* out, float* weights, const float* q, const int* positions, KvView kv, int n_heads,
                      int group, int head_dim) {
-  __shared__ WarpPartials parts;
+  __shared__ HeadPartials parts;
   const int h = blockIdx.x, i = blockIdx.y;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   const int query_pos = positions[i], kv_offset = (h / group) * head_dim, dim = n_heads * head_dim;
@@ -239,7 +252,8 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
   const PartialSoftmax block = attend_rows(parts, query, kv, 0, row_end, query_pos, kv_offset, head_dim);
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     // Nothing visible (only a deliberately broken cache gets here): 0, as the CPU backend.
-    out[std::size_t(i) * dim + h * head_dim + d] = block.total > 0.0f ? merged_value(parts, d, block.max) / block.total : 0.0f;
+    out[std::size_t(i) * dim + h * head_dim + d] =
+        block.total > 0.0f ? parts.merged_value(0, d, block.max, warps) / block.total : 0.0f;
   }
   if (!weights) return;
   float* observed = weights + (std::size_t(i) * n_heads + h) * kv.rows;
@@ -266,17 +280,11 @@ constexpr int kMaxTile = 4;
 constexpr int kRowsInFlight = 4;
 constexpr int kDecodeWarps = 4;
 
-struct TilePartials {
-  float max[kDecodeWarps][kMaxTile];
-  float total[kDecodeWarps][kMaxTile];
-  float values[kDecodeWarps][kMaxTile][kMaxHeadDim];
-};
-
 template <int kElements>
 __global__ void __launch_bounds__(kDecodeWarps * kWarp)
     attention_decode_kernel(float* out, float* partials, const float* q, const int* positions, KvView kv, int group,
                             int tile, int head_dim, int rows_per_split) {
-  __shared__ TilePartials parts;
+  __shared__ WarpPartials<kDecodeWarps, kMaxTile> parts;
   const int tiles = group / tile, kv_head = blockIdx.x / tiles;
   const int first_head = kv_head * group + int(blockIdx.x % tiles) * tile, kv_offset = kv_head * head_dim;
   const int split = blockIdx.y, splits = gridDim.y;
@@ -333,29 +341,20 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   KVS_UNROLL
   for (int t = 0; t < kMaxTile; ++t) {
     if (t >= tile) break;
-    if (lane == 0) parts.max[warp][t] = running_max[t], parts.total[warp][t] = total[t];
-    for (int j = 0; j < kElements; ++j) {
-      const int d = lane + j * kWarp;
-      if (d < head_dim) parts.values[warp][t][d] = values[t][j];
-    }
+    parts.store(warp, t, running_max[t], total[t], values[t], head_dim);
   }
   __syncthreads();
   KVS_UNROLL
   for (int t = 0; t < kMaxTile; ++t) {
     if (t >= tile) break;
-    float block_max = -INFINITY, block_total = 0.0f;
-    for (int w = 0; w < kDecodeWarps; ++w) block_max = fmaxf(block_max, parts.max[w][t]);
-    for (int w = 0; w < kDecodeWarps; ++w)
-      if (parts.max[w][t] != -INFINITY) block_total += parts.total[w][t] * expf(parts.max[w][t] - block_max);
+    const PartialSoftmax block = parts.merged(t, kDecodeWarps);
     const int h = first_head + t;
     float* partial = partials ? partials + (std::size_t(h) * splits + split) * (2 + head_dim) : nullptr;
-    if (partial && threadIdx.x == 0) partial[0] = block_max, partial[1] = block_total;
+    if (partial && threadIdx.x == 0) partial[0] = block.max, partial[1] = block.total;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-      float o = 0.0f;
-      for (int w = 0; w < kDecodeWarps; ++w)
-        if (parts.max[w][t] != -INFINITY) o += parts.values[w][t][d] * expf(parts.max[w][t] - block_max);
+      const float o = parts.merged_value(t, d, block.max, kDecodeWarps);
       if (partial) partial[2 + d] = o;
-      else out[std::size_t(h) * head_dim + d] = block_total > 0.0f ? o / block_total : 0.0f;  // 0: nothing visible
+      else out[std::size_t(h) * head_dim + d] = block.total > 0.0f ? o / block.total : 0.0f;  // 0: nothing visible
     }
   }
 }
