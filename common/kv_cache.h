@@ -4,7 +4,8 @@
 // For each forward pass over positions [pos, pos + n) the model calls, in this order:
 //   prepare(pos, n)                         once, before the first layer (a cache may grow here);
 //   write(layer, pos, n, positions, k, v)   per layer: store the new positions' keys and values;
-//   view(layer)                             per layer: the rows this layer's attention may read.
+//   view(layer)                             per layer: the rows this layer's attention may read;
+// the layers in order, 0 first: per layer write(layer), then view(layer).
 // A cache policy (a chapter's lesson) decides where K/V live and which rows are visible; the forward
 // pass never changes from one chapter to the next. Between forward passes an experiment may read or
 // overwrite what the cache holds, one row at a time (row(); chapter 05 corrupts a key that way).

@@ -80,13 +80,13 @@ class SlidingWindowKvCache final : public KvCache {
 
   // The backend turns each position (read from backend memory) into its slot, ring.h's write_slot, for the
   // rows and for the view's row positions alike: nothing here depends on the position, so a decode step
-  // can be recorded once and replayed (replayable()). The positions plane is the same for every layer;
-  // writing it with each layer keeps write() independent of the order the layers come in.
+  // can be recorded once and replayed (replayable()). Every layer shares the row positions: written once per
+  // forward pass, with layer 0 (kv_cache.h: the model writes the layers in order).
   void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) override {
     check_write("SlidingWindowKvCache", layer, n_layers_, pos, n, length_);
     backend_.write_rows(storage_.data() + block(layer, 0), kv_dim_, positions, ring_, k, n, kv_dim_);
     backend_.write_rows(storage_.data() + block(layer, 1), kv_dim_, positions, ring_, v, n, kv_dim_);
-    backend_.write_positions(row_positions_.data(), positions, ring_, n);
+    if (layer == 0) backend_.write_positions(row_positions_.data(), positions, ring_, n);
   }
 
   // Every slot, in slot order: row r holds position row_positions[r] (-1 until first written).
