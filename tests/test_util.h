@@ -24,8 +24,7 @@ inline std::string golden_path(const std::string& file) { return std::string(KVS
 
 // The shipped model's held-out text (data/kjv/valid.txt), whole.
 inline std::string validation_text() {
-  std::ifstream in(find_data_file("kjv/valid.txt"), std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
+  return read_input_file("the validation text", find_data_file("kjv/valid.txt"), std::size_t(1) << 30);
 }
 
 // Under AddressSanitizer + UBSan (the `sanitize` test preset sets KVS_SANITIZE=1) the code runs several
