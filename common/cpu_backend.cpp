@@ -204,7 +204,9 @@ void CpuBackend::from_host(int* dst, const int* host, std::size_t count) {
   if (count > 0 && dst != host) std::memcpy(dst, host, count * sizeof(int));
 }
 
-void CpuBackend::to_host(int* host, const int* src, std::size_t count) { from_host(host, src, count); }
+void CpuBackend::to_host(int* host, const int* src, std::size_t count) {
+  if (count > 0 && host != src) std::memcpy(host, src, count * sizeof(int));
+}
 
 std::string CpuBackend::describe() const {
   return std::string(name()) + ", " + std::to_string(threads_) + " thread" + (threads_ > 1 ? "s" : "");
