@@ -144,6 +144,14 @@ TEST_CASE("chapter 04: a ring of window + chunk - 1 slots, past the trained cont
   CHECK(run_command(ch04 + " --experiment everything").exit_code == 2);
   CHECK(run_command(ch04 + " --window 4 --sinks 4").exit_code == 2);
   CHECK(run_command(ch04 + " --window 97").exit_code == 2);
+  // A full cache past the model's context (96 here) is refused, not evaluated at untrained positions.
+  const auto recall_too_long = run_command(ch04 + " --experiment recall --windows full,32");
+  CHECK(recall_too_long.exit_code == 2);
+  CHECK(recall_too_long.err.find("runs a full cache over 1120 positions, past the model's context of 96; it needs a model "
+                                 "with a context of at least 1120") != std::string::npos);
+  const auto fluency_too_long = run_command(ch04 + " --experiment fluency --positions within-window --windows full,32");
+  CHECK(fluency_too_long.exit_code == 2);
+  CHECK(fluency_too_long.err.find("leave 'full' out of --windows") != std::string::npos);
   // The measurements run on the small model too, and write one CSV row per configuration.
   kvs::test::TempDir dir;
   const auto ppl = run_command(ch04 + " --experiment perplexity --windows full,8 --max-bytes 300 --context 96 --csv " +
@@ -156,6 +164,18 @@ TEST_CASE("chapter 04: a ring of window + chunk - 1 slots, past the trained cont
   CAPTURE(memory.err);
   CHECK(memory.exit_code == 0);
   CHECK(count_lines(dir.file("memory.csv")) == 1 + 2 + 1);  // window: steps 256 and 300; full: 80 tokens
+}
+
+TEST_CASE("chapter 04: exact recall on the shipped model, verses and word salad, one CSV row per cell") {
+  kvs::test::TempDir dir;
+  const auto r = run_command(binary("04_sliding_window") + " --experiment recall --windows 32 --threads 1 --csv " +
+                             dir.file("recall.csv"));
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.err.find("  verses ") != std::string::npos);
+  CHECK(r.err.find("  word salad ") != std::string::npos);
+  // header; 2 kinds x (window 32, not seen) x 4 distances
+  CHECK(count_lines(dir.file("recall.csv")) == 1 + 2 * 2 * 4);
 }
 
 TEST_CASE("chapter 00: perplexity of a small text, and a bad context is refused") {

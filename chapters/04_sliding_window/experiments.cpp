@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <random>
+#include <set>
 #include <sstream>
 
 #include "03_preallocated_cache/preallocated_kv_cache.h"
@@ -114,12 +116,31 @@ void perplexity_vs_window(const Lab& lab, const std::vector<int>& windows, int s
 namespace {
 
 // K passages of `passage_bytes` from long verses of the held-out text, spread over it.
-std::vector<std::string> passages(const std::string& text, int count, std::size_t passage_bytes) {
+std::vector<std::string> verses(const std::string& text, int count, std::size_t passage_bytes) {
   std::vector<std::string> lines, chosen;
   std::istringstream in(text);
   for (std::string line; std::getline(in, line);)
     if (line.size() >= passage_bytes) lines.push_back(line.substr(0, passage_bytes));
   for (int k = 0; k < count && !lines.empty(); ++k) chosen.push_back(lines[lines.size() * k / count]);
+  return chosen;
+}
+
+// K passages of word salad: words of the held-out text drawn at random, joined by spaces, cut to
+// `passage_bytes`. Nothing in the language predicts a salad's next word, only an earlier occurrence can, so
+// it scores copying alone; a verse is two-thirds predictable without being seen. mt19937's raw output, not
+// a <random> distribution: the same passages with every standard library.
+std::vector<std::string> word_salads(const std::string& text, int count, std::size_t passage_bytes) {
+  std::set<std::string> unique;
+  std::istringstream in(text);
+  for (std::string word; in >> word;) unique.insert(word);
+  const std::vector<std::string> words(unique.begin(), unique.end());
+  std::mt19937 draw(2023);
+  std::vector<std::string> chosen;
+  for (int k = 0; k < count; ++k) {
+    std::string salad;
+    while (salad.size() < passage_bytes) salad += words[draw() % words.size()] + " ";
+    chosen.push_back(salad.substr(0, passage_bytes));
+  }
   return chosen;
 }
 
@@ -131,38 +152,42 @@ void recall_vs_window(const Lab& lab, const std::vector<int>& windows, const std
   // model predicts exactly (its most likely next byte is the true one), given everything before. `distance`
   // is how far back each byte's first occurrence sits: 96 + 1 + filler + 1 bytes. The first 32 bytes of the
   // repeat are the cue; the last row is the same text without the first occurrence (what the model
-  // guesses without having seen the passage).
+  // guesses without having seen the passage). Two kinds of passage: verses, and word salad (copying alone).
   constexpr int kPassage = 96, kCue = 32, kPassages = 8;
-  const std::vector<std::string> chosen = passages(lab.held_out, kPassages, kPassage);
+  const std::pair<const char*, std::vector<std::string>> kinds[] = {
+      {"verses", verses(lab.held_out, kPassages, kPassage)}, {"word salad", word_salads(lab.held_out, kPassages, kPassage)}};
   std::fprintf(stderr, "exact recall: the share of a passage's last %d bytes predicted exactly (teacher-forced) when the\n"
-                       "passage was seen `d` bytes earlier; mean of %zu passages\n\n  %-12s",
-               kPassage - kCue, chosen.size(), "window");
-  for (int d : distances) std::fprintf(stderr, " %9s", ("d=" + std::to_string(d)).c_str());
-  std::fprintf(stderr, "\n");
-  std::vector<int> rows = windows;
-  rows.push_back(-1);  // no first occurrence, full cache
-  for (int size : rows) {
-    std::fprintf(stderr, "  %-12s", size < 0 ? "not seen" : window_name(size).c_str());
-    for (int distance : distances) {
-      const int filler = distance - kPassage - 2;
-      long correct = 0, scored = 0;
-      for (std::size_t k = 0; k < chosen.size(); ++k) {
-        // Unrelated text: from the other half of the held-out text.
-        const std::size_t from = line_start(lab.held_out, (lab.held_out.size() / 2 + k * 9973) % lab.held_out.size());
-        const std::string first = size < 0 ? std::string(kPassage, ' ') : chosen[k];  // not seen: blanks instead
-        const std::vector<int> text = encode_bytes(first + "\n" + lab.held_out.substr(from, filler) + "\n" + chosen[k]);
-        const int n = static_cast<int>(text.size()), scored_bytes = kPassage - kCue;
-        auto cache = make_cache(lab, {std::max(size, 0), 0}, n);
-        // The last scored_bytes bytes are predicted at the positions just before them.
-        const Nats repeat = teacher_forced(lab, *cache, text, n - scored_bytes - 1).late;
-        correct += repeat.correct, scored += repeat.scored;
-      }
-      const double share = double(correct) / scored;
-      std::fprintf(stderr, " %9.2f", share);
-      csv.row(size < 0 ? "not seen" : window_name(size), distance, share, chosen.size());
-    }
-    csv.commit();
+                       "passage was seen `d` bytes earlier; mean of %d passages\n",
+               kPassage - kCue, kPassages);
+  for (const auto& [kind, chosen] : kinds) {
+    std::fprintf(stderr, "\n  %-12s", kind);
+    for (int d : distances) std::fprintf(stderr, " %9s", ("d=" + std::to_string(d)).c_str());
     std::fprintf(stderr, "\n");
+    std::vector<int> rows = windows;
+    rows.push_back(-1);  // no first occurrence, full cache
+    for (int size : rows) {
+      std::fprintf(stderr, "  %-12s", size < 0 ? "not seen" : window_name(size).c_str());
+      for (int distance : distances) {
+        const int filler = distance - kPassage - 2;
+        long correct = 0, scored = 0;
+        for (std::size_t k = 0; k < chosen.size(); ++k) {
+          // Unrelated text: from the other half of the held-out text.
+          const std::size_t from = line_start(lab.held_out, (lab.held_out.size() / 2 + k * 9973) % lab.held_out.size());
+          const std::string first = size < 0 ? std::string(kPassage, ' ') : chosen[k];  // not seen: blanks instead
+          const std::vector<int> text = encode_bytes(first + "\n" + lab.held_out.substr(from, filler) + "\n" + chosen[k]);
+          const int n = static_cast<int>(text.size()), scored_bytes = kPassage - kCue;
+          auto cache = make_cache(lab, {std::max(size, 0), 0}, n);
+          // The last scored_bytes bytes are predicted at the positions just before them.
+          const Nats repeat = teacher_forced(lab, *cache, text, n - scored_bytes - 1).late;
+          correct += repeat.correct, scored += repeat.scored;
+        }
+        const double share = double(correct) / scored;
+        std::fprintf(stderr, " %9.2f", share);
+        csv.row(kind, size < 0 ? "not seen" : window_name(size), distance, share, chosen.size());
+      }
+      csv.commit();
+      std::fprintf(stderr, "\n");
+    }
   }
 }
 

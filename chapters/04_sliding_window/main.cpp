@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
       "--experiment (one of " + std::string(kExperiments) + "):\n"
       "  generate    stream a generation (text to stdout); memory, p50/p99 per token to stderr\n"
       "  perplexity  bits/byte of the held-out text per window, without and with --sinks (default 4)\n"
-      "  recall      exact recall of a passage seen d bytes earlier, per window and d\n"
+      "  recall      exact recall of a passage (a verse; word salad) seen d bytes earlier, per window and d\n"
       "  fluency     local fluency (known words) and topic (names from the prompt) per window\n"
       "  stream      bits/byte over one stream of 4x the trained context, window without and with sinks;\n"
       "              the attention the first positions receive, per layer\n"
@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
       "  generate    window, sinks, positions, prompt_tokens, new_tokens, slots, allocated_bytes, resident_bytes,\n"
       "              peak_rss_growth_bytes, decode_ms_p50, decode_ms_p99, total_s\n"
       "  perplexity  window, sinks, bits_per_byte, bytes, context\n"
-      "  recall      window, distance, recalled_share, passages\n"
+      "  recall      passage_kind, window, distance, recalled_share, passages\n"
       "  fluency     window, known_word_share, words, names_from_prompt_share, names\n"
       "  stream      measure, config, window, sinks, layer, value, even_spread\n"
       "  memory      cache, generated, ms_p50, ms_p99, allocated_bytes, resident_bytes, peak_rss_bytes");
@@ -122,11 +122,20 @@ int main(int argc, char** argv) {
                           : experiment == "fluency"  ? 1024 + new_tokens
                           : experiment == "stream"   ? std::min(seq_len, stream_bytes ? stream_bytes : 4 * seq_len)
                           : experiment == "generate" ? 0
-                                                     : std::min(seq_len, generated);
+                          : experiment == "memory"   ? std::min(seq_len, generated)  // its full cache stops there
+                                                     : generated;                  // samples
     int widest = experiment == "generate" || experiment == "stream" || experiment == "memory" ? window : 0;
     for (int w : windows) widest = std::max(widest, w);
     const bool uses_full = experiment != "generate" && (windows.empty() || std::ranges::count(windows, 0) > 0 ||
                                                         experiment == "recall");
+    // A full cache keeps absolute positions: past the trained context, its keys sit at positions the model
+    // never saw. Refused, like the ring's absolute variant, rather than measured.
+    if (uses_full && full_rows > seq_len)
+      throw kvs::UsageError("--experiment " + experiment + " runs a full cache over " + std::to_string(full_rows) +
+                            " positions, past the model's context of " + std::to_string(seq_len) + "; " +
+                            (experiment == "recall" ? "it needs a model with a context of at least " + std::to_string(full_rows)
+                                                    : std::string("leave 'full' out of --windows") +
+                                                          (full_rows - new_tokens < seq_len ? ", or ask for fewer --max-new-tokens" : "")));
     const int kv_rows = std::max(uses_full ? full_rows : 0, widest > 0 ? widest + chunk - 1 : 0);
     kvs::Runtime rt(options, kDefaultPrompt, kvs::PromptFit::kCutByCaller, chunk, kv_rows);
     const kvs::ModelConfig& c = rt.model.config();
@@ -189,7 +198,7 @@ int main(int argc, char** argv) {
       kvs::CsvWriter csv({"--csv", options.csv}, "window,sinks,bits_per_byte,bytes,context", rt.inputs());
       kvs::ch04::perplexity_vs_window(lab, windows, sinks, context, max_bytes, csv);
     } else if (experiment == "recall") {
-      kvs::CsvWriter csv({"--csv", options.csv}, "window,distance,recalled_share,passages", rt.inputs());
+      kvs::CsvWriter csv({"--csv", options.csv}, "passage_kind,window,distance,recalled_share,passages", rt.inputs());
       kvs::ch04::recall_vs_window(lab, windows, {128, 256, 512, 1024}, csv);
     } else if (experiment == "fluency") {
       kvs::CsvWriter csv({"--csv", options.csv}, "window,known_word_share,words,names_from_prompt_share,names", rt.inputs());
