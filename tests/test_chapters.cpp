@@ -152,6 +152,11 @@ TEST_CASE("chapter 04: a ring of window + chunk - 1 slots, past the trained cont
   const auto fluency_too_long = run_command(ch04 + " --experiment fluency --positions within-window --windows full,32");
   CHECK(fluency_too_long.exit_code == 2);
   CHECK(fluency_too_long.err.find("leave 'full' out of --windows") != std::string::npos);
+  // The stream scores what lies past the context, so it must reach past it (it once stopped inside the model).
+  const auto short_stream = run_command(ch04 + " --experiment stream --window 8 --stream-bytes 97");
+  CHECK(short_stream.exit_code == 2);
+  CHECK(short_stream.err.find("the stream must go past the model's context of 96 positions") != std::string::npos);
+  CHECK(run_command(ch04 + " --experiment stream --window 8 --stream-bytes 98").exit_code == 0);
   // The measurements run on the small model too, and write one CSV row per configuration.
   kvs::test::TempDir dir;
   const auto ppl = run_command(ch04 + " --experiment perplexity --windows full,8 --max-bytes 300 --context 96 --csv " +

@@ -103,6 +103,10 @@ int main(int argc, char** argv) {
     if (window > seq_len)
       throw kvs::UsageError("--window " + std::to_string(window) + " exceeds the model's context of " + std::to_string(seq_len) +
                             " positions; a longer window is a full cache (chapter 03)");
+    if (experiment == "stream" && stream_bytes != 0 && stream_bytes < seq_len + 2)
+      throw kvs::UsageError("--stream-bytes " + std::to_string(stream_bytes) + ": the stream must go past the model's context of " +
+                            std::to_string(seq_len) + " positions to score anything there; give at least " +
+                            std::to_string(seq_len + 2) + " (default " + std::to_string(4 * seq_len) + ")");
     if (context == 0) context = seq_len;
     if (context > seq_len) throw kvs::UsageError("--context " + std::to_string(context) + " exceeds the model's context of " + std::to_string(seq_len));
     // The windows an experiment compares (0: a full cache), and the rows its attention may read: a ring's
@@ -120,7 +124,7 @@ int main(int argc, char** argv) {
     const int full_rows = experiment == "perplexity" ? context
                           : experiment == "recall"   ? 1024 + 96  // the longest probe text (experiments.cpp)
                           : experiment == "fluency"  ? 1024 + new_tokens
-                          : experiment == "stream"   ? std::min(seq_len, stream_bytes ? stream_bytes : 4 * seq_len)
+                          : experiment == "stream"   ? seq_len  // its full cache restarts every seq_len positions
                           : experiment == "generate" ? 0
                           : experiment == "memory"   ? std::min(seq_len, generated)  // its full cache stops there
                                                      : generated;                  // samples
