@@ -399,7 +399,7 @@ TEST_CASE("chapter 06: the off-by-one cache fails the equivalence check the corr
   CHECK(probes.exit_code == 0);
   CHECK(probes.err.find("0 of   3") != std::string::npos);  // no probe passes the check of tokens and logits
   CHECK(count_lines(dir.file("probes.csv")) == 1 + 2 * 3);  // both shifts x 3 lengths
-  for (const char* flags : {"--shift 0", "--shift 2", "--experiment probes --max-new-tokens 5", "--probe-tokens 5,x",
-                            "--experiment probes --probe-tokens 96"})
+  for (const char* flags : {"--shift 0", "--shift 2", "--max-new-tokens 0", "--experiment probes --max-new-tokens 5",
+                            "--probe-tokens 5,x", "--experiment probes --probe-tokens 96"})
     CHECK(run_command(ch06 + " " + flags).exit_code == 2);
 }

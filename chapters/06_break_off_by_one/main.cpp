@@ -167,6 +167,8 @@ int main(int argc, char** argv) {
   parser.add_check([&] {
     if (experiment != "run" && experiment != "probes") return "--experiment '" + experiment + "': use run or probes";
     if (shift == 0) return std::string("--shift 0 is the correct cache (chapter 03); use 1 or -1");
+    // With no step to compare, both caches would "pass" and the run would say nothing true.
+    if (options.max_new_tokens < 1) return std::string("--max-new-tokens: at least 1 (the caches are compared step by step)");
     return std::string();
   });
   parser.parse(argc, argv);
