@@ -214,6 +214,10 @@ TEST_CASE("03_benchmark: a small sweep runs, every cache matches naive, and the 
   const auto bad = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") + " --lengths 8,x");
   CHECK(bad.exit_code == 2);
   CHECK(bad.err.find("--lengths expects whole numbers from 1 to") != std::string::npos);
+  // A length past the context is refused, not quietly run at the context (it once ran 5000 as 1984).
+  const auto too_long = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") + " --lengths 8,97");
+  CHECK(too_long.exit_code == 2);
+  CHECK(too_long.err.find("--lengths: 97 exceeds the model's context of 96 positions") != std::string::npos);
 }
 
 TEST_CASE("03_benchmark --breakdown: one row per length, the parts add up to the step, and sweep-only flags are refused") {

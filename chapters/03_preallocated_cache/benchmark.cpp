@@ -64,7 +64,8 @@ int main(int argc, char** argv) {
       "printed next to the formula's prediction.\n"
       "  CSV (--csv): positions, cache_bytes, result.");
   kvs::add_common_flags(parser, options, "data/kjv/valid.txt, the held-out text", kvs::CommonFlags::kGreedy);
-  parser.add_string("--lengths", "LIST", "prompt lengths, comma-separated (default 32,128,512,1024,2048)",
+  parser.add_string("--lengths", "LIST", "prompt lengths up to the model's context, comma-separated (default 32,128,512,1024,2048); "
+                    "one that leaves no room for --max-new-tokens runs at context - max-new-tokens",
                     &lengths_text);
   parser.add_int("--naive-tokens", "new tokens for naive generation, which is slow at long contexts (default 8)",
                  &naive_tokens, 2, 1 << 20);
@@ -103,6 +104,9 @@ int main(int argc, char** argv) {
     const int longest = *std::max_element(lengths.begin(), lengths.end()) + options.max_new_tokens;
     kvs::Runtime rt(options, default_prompt, kvs::PromptFit::kCutByCaller, longest);
     const kvs::ModelConfig& c = rt.model.config();
+    if (const int too_long = *std::max_element(lengths.begin(), lengths.end()); parser.given("--lengths") && too_long > c.seq_len)
+      throw kvs::UsageError("--lengths: " + std::to_string(too_long) + " exceeds the model's context of " +
+                            std::to_string(c.seq_len) + " positions; give lengths up to " + std::to_string(c.seq_len));
     if (context_wall) {
       std::cerr << rt.describe() << "\n";
       for (const kvs::NamedPath& input : rt.inputs()) inputs.push_back(input);
