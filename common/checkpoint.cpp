@@ -140,6 +140,38 @@ void Checkpoint::point_at_tensors() {
   tensors_.classifier = c.shared_classifier ? tensors_.token_embedding : take(c.vocab_size * dim);
 }
 
+void Checkpoint::require_finite_weights() const {
+  const ModelConfig& c = config_;
+  const std::size_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, vocab = c.vocab_size;
+  struct Tensor {
+    const char* name;
+    const float* data;
+    std::size_t per_layer, layers;
+  };
+  const Tensor all[] = {{"token_embedding", tensors_.token_embedding, vocab * dim, 1},
+                        {"rms_att", tensors_.rms_att, dim, std::size_t(c.n_layers)},
+                        {"wq", tensors_.wq, dim * dim, std::size_t(c.n_layers)},
+                        {"wk", tensors_.wk, kv_dim * dim, std::size_t(c.n_layers)},
+                        {"wv", tensors_.wv, kv_dim * dim, std::size_t(c.n_layers)},
+                        {"wo", tensors_.wo, dim * dim, std::size_t(c.n_layers)},
+                        {"rms_ffn", tensors_.rms_ffn, dim, std::size_t(c.n_layers)},
+                        {"w1", tensors_.w1, hidden * dim, std::size_t(c.n_layers)},
+                        {"w2", tensors_.w2, dim * hidden, std::size_t(c.n_layers)},
+                        {"w3", tensors_.w3, hidden * dim, std::size_t(c.n_layers)},
+                        {"rms_final", tensors_.rms_final, dim, 1},
+                        {"classifier", tensors_.classifier, vocab * dim, 1}};
+  for (const Tensor& t : all) {
+    const float* end = t.data + t.per_layer * t.layers;
+    const float* bad = std::find_if(t.data, end, [](float w) { return !std::isfinite(w); });
+    if (bad == end) continue;
+    const std::size_t at = static_cast<std::size_t>(bad - t.data);
+    fail(path_, std::string("tensor ") + t.name + (t.layers > 1 ? " of layer " + std::to_string(at / t.per_layer) : "") +
+                    " holds " + (std::isnan(*bad) ? "NaN" : "an infinity") + " at element " +
+                    std::to_string(at % t.per_layer) + "; the weights are corrupt (a diverged training run or a "
+                    "damaged file): retrain or restore the file");
+  }
+}
+
 Checkpoint Checkpoint::synthetic(const ModelConfig& config, std::uint64_t seed) {
   const int header[7] = {config.dim, config.hidden_dim, config.n_layers, config.n_heads, config.n_kv_heads,
                          config.shared_classifier ? config.vocab_size : -config.vocab_size, config.seq_len};

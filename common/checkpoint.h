@@ -53,6 +53,10 @@ class Checkpoint {
 
   const ModelConfig& config() const { return config_; }
   const TensorPointers& tensors() const { return tensors_; }
+  // Throws CheckpointError naming the tensor, its layer and the element if a weight is NaN or infinite (a
+  // diverged training run, a damaged file): such a model computes NaN logits, and greedy decoding would
+  // still print text. Reads every weight, so the model calls it as it copies them, not the constructor.
+  void require_finite_weights() const;
   const std::string& path() const { return path_; }
   std::size_t file_bytes() const { return bytes_; }
 

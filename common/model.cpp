@@ -38,6 +38,7 @@ Model::Model(const Checkpoint& checkpoint, Backend& backend, int max_tokens_per_
       max_kv_rows_(max_kv_rows > 0 ? max_kv_rows : config_.seq_len),
       call_local_(config_.kv_dim()) {
   const ModelConfig& c = config_;
+  checkpoint.require_finite_weights();
   const TensorPointers& t = checkpoint.tensors();
   const std::size_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, vocab = c.vocab_size;
   auto upload = [&](const float* host, std::size_t floats) { return backend.upload_weights(host, floats); };

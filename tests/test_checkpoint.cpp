@@ -6,6 +6,8 @@
 #include <fstream>
 
 #include "checkpoint.h"
+#include "cpu_backend.h"
+#include "model.h"
 #include "test_util.h"
 
 using namespace kvs;
@@ -151,4 +153,39 @@ TEST_CASE("checkpoint: malformed files are rejected, each with its own message n
     write_raw(p, {36, 40, 2, 4, 2, 50, 16}, good_floats);
     CHECK(load_error(p) == p + ": head_dim = dim / n_heads = 9 must be even (RoPE rotates pairs of dimensions)");
   }
+}
+
+TEST_CASE("checkpoint: a NaN or an infinity among the weights is refused, naming the tensor, layer and element") {
+  TempDir dir;
+  const std::string path = dir.file("nan.bin");
+  write_checkpoint(path, kSmall, kvs::test::random_weights(kSmall, 3));
+  // kSmall's file order: token_embedding 50 x 32, rms_att 2 x 32, wq 2 x 32 x 32, then wk 2 x (16 x 32).
+  const std::size_t wk_layer1_element5 = 50 * 32 + 2 * 32 + 2 * 32 * 32 + 16 * 32 + 5;
+  auto poke = [&](std::size_t index, float value) {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(28 + index * sizeof(float));
+    f.write(reinterpret_cast<const char*>(&value), sizeof value);
+  };
+  {
+    const Checkpoint finite(path);
+    CHECK_NOTHROW(finite.require_finite_weights());
+  }
+  poke(wk_layer1_element5, std::nanf(""));
+  const Checkpoint checkpoint(path);  // the header and size are fine: loading maps it
+  std::string message;
+  try {
+    checkpoint.require_finite_weights();
+  } catch (const CheckpointError& e) {
+    message = e.what();
+  }
+  CHECK(message == path + ": tensor wk of layer 1 holds NaN at element 5; the weights are corrupt (a diverged training "
+                          "run or a damaged file): retrain or restore the file");
+  // The model checks as it copies the weights, before any forward pass.
+  CpuBackend backend(1);
+  CHECK_THROWS_AS(Model(checkpoint, backend), CheckpointError);
+  poke(wk_layer1_element5, 0.5f);
+  poke(std::filesystem::file_size(path) / 4 - 7 - 32 * 50 + 3, -INFINITY);  // the unshared classifier, element 3
+  const Checkpoint infinite(path);
+  CHECK_THROWS_WITH(infinite.require_finite_weights(),
+                    doctest::Contains("tensor classifier holds an infinity at element 3"));
 }
