@@ -42,27 +42,27 @@ TEST_CASE("worker pool: every task runs exactly once, for 0 to 70 tasks, on 1, 2
 }
 
 TEST_CASE("worker pool: a worker takes the tasks the caller has not claimed, also after sleeping") {
-  // Task 0 (claimed first, by the caller) waits until task 1 has started: only another thread can start
-  // it. A pool whose workers never run anything hangs here; the wait gives up after 10 s and fails instead.
+  // Two tasks that each wait until the other has started: they can only meet if two threads run them at
+  // once. Either thread may claim either task (a spinning worker can see the job before the caller claims
+  // task 0: this test once assumed the caller always ran task 0, and failed under the sanitizer). A pool
+  // whose workers never run anything runs them one after the other: task 0 waits 10 s, gives up, and fails.
   WorkerPool pool(2);
   for (int attempt = 0; attempt < 2; ++attempt) {
     if (attempt == 1) std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the worker goes to sleep
-    std::atomic<bool> second_started{false};
-    std::atomic<std::thread::id> second_thread{};
-    bool waited = false;
+    std::atomic<int> started{0};
+    std::thread::id ran_on[2];
+    bool met[2] = {false, false};
     pool.run(2, [&](int i) {
-      if (i == 1) {
-        second_thread = std::this_thread::get_id();
-        second_started = true;
-        return;
-      }
+      ran_on[i] = std::this_thread::get_id();
+      started.fetch_add(1);
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-      while (!second_started && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
-      waited = second_started;
+      while (started.load() < 2 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+      met[i] = started.load() == 2;
     });
     CAPTURE(attempt);
-    CHECK(waited);
-    CHECK(second_thread.load() != std::this_thread::get_id());
+    CHECK(met[0]);
+    CHECK(met[1]);
+    CHECK(ran_on[0] != ran_on[1]);
   }
 }
 
