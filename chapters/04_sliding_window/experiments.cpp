@@ -125,14 +125,13 @@ std::vector<std::string> verses(const std::string& text, int count, std::size_t 
   return chosen;
 }
 
-// K passages of word salad: words of the held-out text drawn at random, joined by spaces, cut to
-// `passage_bytes`. Nothing in the language predicts a salad's next word, only an earlier occurrence can, so
-// it scores copying alone; a verse is two-thirds predictable without being seen. mt19937's raw output, not
-// a <random> distribution: the same passages with every standard library.
+// K passages of word salad: words of the held-out text (text_probes.h's words_of) drawn at random, joined
+// by spaces, cut to `passage_bytes`. Nothing in the language predicts a salad's next word, only an earlier
+// occurrence can, so it scores copying alone; a verse is two-thirds predictable without being seen.
+// mt19937's raw output, not a <random> distribution: the same passages with every standard library.
 std::vector<std::string> word_salads(const std::string& text, int count, std::size_t passage_bytes) {
-  std::set<std::string> unique;
-  std::istringstream in(text);
-  for (std::string word; in >> word;) unique.insert(word);
+  const std::vector<std::string> all = words_of(text);
+  const std::set<std::string> unique(all.begin(), all.end());
   const std::vector<std::string> words(unique.begin(), unique.end());
   std::mt19937 draw(2023);
   std::vector<std::string> chosen;
