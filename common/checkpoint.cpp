@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
@@ -36,6 +37,19 @@ constexpr Bound kBounds[7] = {{"dim", 1 << 16},      {"hidden_dim", 1 << 18}, {"
 std::uint64_t checkpoint_floats(const ModelConfig& c) {
   // The tensors, and between the final norm and a separate classifier llama2.c's legacy RoPE tables (skipped).
   return std::uint64_t(parameter_count(c)) + 2 * std::uint64_t(c.seq_len) * (c.head_dim() / 2);
+}
+
+// The tensors in file order (llama2.c's legacy RoPE tables sit between rms_final and the classifier): name,
+// floats per layer, layers. The classifier is last; a shared one is the embedding table, not stored again.
+struct TensorShape {
+  const char* name;
+  std::size_t per_layer, layers;
+};
+std::array<TensorShape, 12> tensor_shapes(const ModelConfig& c) {
+  const std::size_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, L = c.n_layers, vocab = c.vocab_size;
+  return {{{"token_embedding", vocab * dim, 1}, {"rms_att", dim, L}, {"wq", dim * dim, L}, {"wk", kv_dim * dim, L},
+           {"wv", kv_dim * dim, L}, {"wo", dim * dim, L}, {"rms_ffn", dim, L}, {"w1", hidden * dim, L},
+           {"w2", dim * hidden, L}, {"w3", hidden * dim, L}, {"rms_final", dim, 1}, {"classifier", vocab * dim, 1}}};
 }
 
 }  // namespace
@@ -141,34 +155,20 @@ void Checkpoint::point_at_tensors() {
 }
 
 void Checkpoint::require_finite_weights() const {
-  const ModelConfig& c = config_;
-  const std::size_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, vocab = c.vocab_size;
-  struct Tensor {
-    const char* name;
-    const float* data;
-    std::size_t per_layer, layers;
-  };
-  const Tensor all[] = {{"token_embedding", tensors_.token_embedding, vocab * dim, 1},
-                        {"rms_att", tensors_.rms_att, dim, std::size_t(c.n_layers)},
-                        {"wq", tensors_.wq, dim * dim, std::size_t(c.n_layers)},
-                        {"wk", tensors_.wk, kv_dim * dim, std::size_t(c.n_layers)},
-                        {"wv", tensors_.wv, kv_dim * dim, std::size_t(c.n_layers)},
-                        {"wo", tensors_.wo, dim * dim, std::size_t(c.n_layers)},
-                        {"rms_ffn", tensors_.rms_ffn, dim, std::size_t(c.n_layers)},
-                        {"w1", tensors_.w1, hidden * dim, std::size_t(c.n_layers)},
-                        {"w2", tensors_.w2, dim * hidden, std::size_t(c.n_layers)},
-                        {"w3", tensors_.w3, hidden * dim, std::size_t(c.n_layers)},
-                        {"rms_final", tensors_.rms_final, dim, 1},
-                        {"classifier", tensors_.classifier, vocab * dim, 1}};
-  for (const Tensor& t : all) {
-    const float* end = t.data + t.per_layer * t.layers;
-    const float* bad = std::find_if(t.data, end, [](float w) { return !std::isfinite(w); });
+  const TensorPointers& t = tensors_;
+  const float* data[12] = {t.token_embedding, t.rms_att, t.wq, t.wk, t.wv, t.wo, t.rms_ffn, t.w1, t.w2, t.w3,
+                           t.rms_final, t.classifier};  // tensor_shapes' order
+  const auto shapes = tensor_shapes(config_);
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    const TensorShape& shape = shapes[i];
+    const float* end = data[i] + shape.per_layer * shape.layers;
+    const float* bad = std::find_if(data[i], end, [](float w) { return !std::isfinite(w); });
     if (bad == end) continue;
-    const std::size_t at = static_cast<std::size_t>(bad - t.data);
-    fail(path_, std::string("tensor ") + t.name + (t.layers > 1 ? " of layer " + std::to_string(at / t.per_layer) : "") +
-                    " holds " + (std::isnan(*bad) ? "NaN" : "an infinity") + " at element " +
-                    std::to_string(at % t.per_layer) + "; the weights are corrupt (a diverged training run or a "
-                    "damaged file): retrain or restore the file");
+    const std::size_t at = static_cast<std::size_t>(bad - data[i]);
+    fail(path_, std::string("tensor ") + shape.name +
+                    (shape.layers > 1 ? " of layer " + std::to_string(at / shape.per_layer) : "") + " holds " +
+                    (std::isnan(*bad) ? "NaN" : "an infinity") + " at element " + std::to_string(at % shape.per_layer) +
+                    "; the weights are corrupt (a diverged training run or a damaged file): retrain or restore the file");
   }
 }
 
@@ -217,29 +217,16 @@ Checkpoint::Checkpoint(Checkpoint&& o) noexcept
 }
 
 void write_checkpoint(const std::string& path, const ModelConfig& c, const HostWeights& w) {
-  const std::size_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, L = c.n_layers;
-  const std::size_t vocab = c.vocab_size;
-  struct Expect {
-    const char* name;
-    const std::vector<float>& tensor;
-    std::size_t floats;
-  };
-  const Expect tensors[] = {{"token_embedding", w.token_embedding, vocab * dim},
-                            {"rms_att", w.rms_att, L * dim},
-                            {"wq", w.wq, L * dim * dim},
-                            {"wk", w.wk, L * kv_dim * dim},
-                            {"wv", w.wv, L * kv_dim * dim},
-                            {"wo", w.wo, L * dim * dim},
-                            {"rms_ffn", w.rms_ffn, L * dim},
-                            {"w1", w.w1, L * hidden * dim},
-                            {"w2", w.w2, L * dim * hidden},
-                            {"w3", w.w3, L * hidden * dim},
-                            {"rms_final", w.rms_final, dim},
-                            {"classifier", w.classifier, c.shared_classifier ? 0 : vocab * dim}};
-  for (const Expect& e : tensors)
-    if (e.tensor.size() != e.floats)
-      fail(path, std::string("cannot write: tensor ") + e.name + " holds " + std::to_string(e.tensor.size()) +
-                     " floats, the configuration needs " + std::to_string(e.floats));
+  const std::vector<float>* tensors[12] = {&w.token_embedding, &w.rms_att, &w.wq, &w.wk, &w.wv, &w.wo, &w.rms_ffn,
+                                           &w.w1, &w.w2, &w.w3, &w.rms_final, &w.classifier};  // tensor_shapes' order
+  const auto shapes = tensor_shapes(c);
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    const bool stored = !(i + 1 == shapes.size() && c.shared_classifier);  // a shared classifier is the embedding
+    const std::size_t floats = stored ? shapes[i].per_layer * shapes[i].layers : 0;
+    if (tensors[i]->size() != floats)
+      fail(path, std::string("cannot write: tensor ") + shapes[i].name + " holds " + std::to_string(tensors[i]->size()) +
+                     " floats, the configuration needs " + std::to_string(floats));
+  }
   const int header[7] = {c.dim,        c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads,
                          c.shared_classifier ? c.vocab_size : -c.vocab_size, c.seq_len};
   validate_header(header, path);
@@ -250,7 +237,7 @@ void write_checkpoint(const std::string& path, const ModelConfig& c, const HostW
     ReplacingFile out(path, path);
     auto put = [&out](const float* data, std::size_t floats) { out.write(data, floats * sizeof(float)); };
     out.write(header, sizeof header);
-    for (int i = 0; i < 11; ++i) put(tensors[i].tensor.data(), tensors[i].floats);
+    for (int i = 0; i < 11; ++i) put(tensors[i]->data(), tensors[i]->size());  // sizes checked above
     // The two legacy tables llama2.c once read: cos then sin of every (position, pair). Kept for the format.
     const int pairs = c.head_dim() / 2;
     std::vector<float> cos_table(std::size_t(c.seq_len) * pairs), sin_table(cos_table.size());
