@@ -98,6 +98,18 @@ TEST_CASE("chapter 02: the three growth policies reproduce naive generation and 
   CHECK(matches == 3);
 }
 
+TEST_CASE("chapter 02: one new token has no decode step, and the table says so instead of printing 0 ms") {
+  const auto r = run_command(binary("02_dynamic_cache") + " --model " + golden_path("mha.bin") +
+                             " --prompt 'abc' --max-new-tokens 1 --threads 1");
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.err.find("0.0000") == std::string::npos);
+  const std::size_t row = r.err.find("\nconcatenate");
+  REQUIRE(row != std::string::npos);
+  const std::string line = r.err.substr(row + 1, r.err.find('\n', row + 1) - row - 1);
+  CHECK(line.find("        -        -") != std::string::npos);  // the p50 and p99 cells
+}
+
 TEST_CASE("chapter 03: the cache is exactly the formula, decode allocates nothing, chunked prefill agrees") {
   const auto r = run_command(binary("03_preallocated_cache") + " --model " + golden_path("mha.bin") +
                              " --prompt 'In the beginning God' --max-new-tokens 30 --prefill-chunk 7 --threads 1");
@@ -218,6 +230,20 @@ TEST_CASE("03_benchmark: a small sweep runs, every cache matches naive, and the 
   const auto too_long = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") + " --lengths 8,97");
   CHECK(too_long.exit_code == 2);
   CHECK(too_long.err.find("--lengths: 97 exceeds the model's context of 96 positions") != std::string::npos);
+  // Lengths with no room for the new tokens run once, at context - new tokens (the default list on this
+  // 96-position model once measured 32 five times over); no room for any prompt is refused.
+  const std::string shortened = dir.file("shortened.csv");
+  const auto once = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") +
+                                " --lengths 8,60,70,96 --max-new-tokens 40 --naive-tokens 2 --repeats 1 --threads 1 --csv " +
+                                shortened);
+  CAPTURE(once.err);
+  REQUIRE(once.exit_code == 0);
+  CHECK(once.err.find("lengths 60, 70, 96 leave no room for 40 new tokens in the context of 96: run once at 56") !=
+        std::string::npos);
+  CHECK(count_lines(shortened) == 1 + 2 * 4);  // lengths 8 and 56
+  const auto no_room = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") + " --max-new-tokens 96");
+  CHECK(no_room.exit_code == 2);
+  CHECK(no_room.err.find("--max-new-tokens 96 leaves no room for a prompt in the model's context of 96") != std::string::npos);
 }
 
 TEST_CASE("03_benchmark --breakdown: one row per length, the parts add up to the step, and sweep-only flags are refused") {

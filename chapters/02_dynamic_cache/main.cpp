@@ -19,6 +19,15 @@ constexpr const char* kDefaultPrompt = "And God said, ";
 
 double mib(std::int64_t bytes) { return bytes / (1024.0 * 1024.0); }
 
+// A time per decode step for the table, "-" when the run had no decode step (one new token is the
+// prompt's forward pass alone): a 0.0000 there would read as a measurement.
+std::string step_ms(const kvs::Generation& g, double ms) {
+  if (g.step_ms.size() < 2) return "-";
+  char cell[32];
+  std::snprintf(cell, sizeof cell, "%.4f", ms);
+  return cell;
+}
+
 // Page faults so far: the kernel handing the process a fresh page the first time it is touched. Every
 // buffer the allocator gets from the kernel (large ones are mapped anew) costs one per 4 KiB page written.
 long page_faults() {
@@ -92,9 +101,10 @@ int main(int argc, char** argv) {
                          : skip_naive            ? "= concat"
                                                  : "= naive";
       if (reference.empty()) reference = g.tokens;
-      std::snprintf(line, sizeof line, "%-12s %11lld %10.2f MiB %11ld %9.3f MiB %11.2f %8.4f %8.4f %9.1f %12s\n",
+      std::snprintf(line, sizeof line, "%-12s %11lld %10.2f MiB %11ld %9.3f MiB %11.2f %8s %8s %9.1f %12s\n",
                    kvs::ch02::growth_name(growth), static_cast<long long>(cache.allocations()), mib(cache.bytes_copied()),
-                   faults, mib(cache.peak_bytes()), g.ttft_ms(), g.decode_median_ms(), g.decode_percentile_ms(99),
+                   faults, mib(cache.peak_bytes()), g.ttft_ms(), step_ms(g, g.decode_median_ms()).c_str(),
+                   step_ms(g, g.decode_percentile_ms(99)).c_str(),
                    g.total_ms(), same);
       table += line;
       csv.row(kvs::ch02::growth_name(growth), cache.allocations(), cache.bytes_copied(), faults, cache.peak_bytes(),

@@ -29,6 +29,29 @@ struct Row {
   std::int64_t cache_bytes;
 };
 
+// The prompt lengths that run, in order: a length that leaves no room for the new tokens in the context runs
+// at context - new tokens, and only once (on a small model the default list would otherwise measure that one
+// length again and again); `note` says what was shortened, for the run's header.
+std::vector<int> lengths_that_fit(const std::vector<int>& asked, int context, int new_tokens, std::string& note) {
+  const int longest_prompt = context - new_tokens;
+  if (longest_prompt < 1)
+    throw kvs::UsageError("--max-new-tokens " + std::to_string(new_tokens) + " leaves no room for a prompt in the "
+                          "model's context of " + std::to_string(context) + "; give at most " + std::to_string(context - 1));
+  std::vector<int> lengths;
+  std::string shortened;
+  int shortened_count = 0;
+  for (int length : asked) {
+    if (length > longest_prompt) shortened += (shortened_count++ ? ", " : "") + std::to_string(length);
+    const int prompt_len = std::min(length, longest_prompt);
+    if (std::find(lengths.begin(), lengths.end(), prompt_len) == lengths.end()) lengths.push_back(prompt_len);
+  }
+  if (shortened_count > 0)
+    note = (shortened_count > 1 ? "lengths " : "length ") + shortened + (shortened_count > 1 ? " leave" : " leaves") +
+           " no room for " + std::to_string(new_tokens) + " new tokens in the context of " + std::to_string(context) +
+           ": run once at " + std::to_string(longest_prompt) + "\n";
+  return lengths;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -45,7 +68,7 @@ int main(int argc, char** argv) {
       "preallocated+graph: the decode step recorded once as a CUDA graph and replayed, one launch per token\n"
       "(chapter 07). Each method runs once\n"
       "untimed first (warm-up), then --repeats times; TTFT and decode times are medians over the runs.\nA prompt length that leaves no room for the new tokens within the model's\n"
-      "context is shortened to context - new tokens. Prints a table with speedups relative to naive.\n"
+      "context is shortened to context - new tokens (once, however many ask for it). Prints a table with speedups relative to naive.\n"
       "CSV (--csv): method, prompt_tokens, ttft_ms, decode_ms_median, decode_steps, cache_bytes, threads (0 on a GPU).\n"
       "--memory-csv: method, positions, allocated_bytes, resident_bytes, analytic_bytes: at the end of a run,\n"
       "the bytes the cache allocated, those physically in memory (pages written, measured with mincore), and\n"
@@ -65,7 +88,7 @@ int main(int argc, char** argv) {
       "  CSV (--csv): positions, cache_bytes, result.");
   kvs::add_common_flags(parser, options, "data/kjv/valid.txt, the held-out text", kvs::CommonFlags::kGreedy);
   parser.add_string("--lengths", "LIST", "prompt lengths up to the model's context, comma-separated (default 32,128,512,1024,2048); "
-                    "one that leaves no room for --max-new-tokens runs at context - max-new-tokens",
+                    "one that leaves no room for --max-new-tokens runs at context - max-new-tokens, and only once",
                     &lengths_text);
   parser.add_int("--naive-tokens", "new tokens for naive generation, which is slow at long contexts (default 8)",
                  &naive_tokens, 2, 1 << 20);
@@ -92,7 +115,7 @@ int main(int argc, char** argv) {
   parser.parse(argc, argv);
 
   return kvs::run_main(parser, [&] {
-    const std::vector<int> lengths = kvs::parse_int_list("--lengths", lengths_text, 1, 1 << 30);
+    const std::vector<int> asked_lengths = kvs::parse_int_list("--lengths", lengths_text, 1, 1 << 30);
     if (options.max_new_tokens < 2) throw kvs::UsageError("--max-new-tokens must be at least 2 to time decoding");
     std::string default_prompt;  // the held-out validation text: real prose the model never trained on
     std::vector<kvs::NamedPath> inputs;
@@ -101,10 +124,11 @@ int main(int argc, char** argv) {
       default_prompt = kvs::read_input_file(inputs[0].flag, inputs[0].path, 1 << 30);
     }
     // The sweep takes prefixes of the prompt; the longest run is the longest length plus its new tokens.
-    const int longest = *std::max_element(lengths.begin(), lengths.end()) + options.max_new_tokens;
+    const int longest = *std::max_element(asked_lengths.begin(), asked_lengths.end()) + options.max_new_tokens;
     kvs::Runtime rt(options, default_prompt, kvs::PromptFit::kCutByCaller, longest);
     const kvs::ModelConfig& c = rt.model.config();
-    if (const int too_long = *std::max_element(lengths.begin(), lengths.end()); parser.given("--lengths") && too_long > c.seq_len)
+    if (const int too_long = *std::max_element(asked_lengths.begin(), asked_lengths.end());
+        parser.given("--lengths") && too_long > c.seq_len)
       throw kvs::UsageError("--lengths: " + std::to_string(too_long) + " exceeds the model's context of " +
                             std::to_string(c.seq_len) + " positions; give lengths up to " + std::to_string(c.seq_len));
     if (context_wall) {
@@ -115,9 +139,11 @@ int main(int argc, char** argv) {
       if (wall_csv.enabled()) std::cerr << "wrote " << wall_csv.path() << "\n";
       return 0;
     }
+    std::string shortened;  // printed under the run's header
+    const std::vector<int> lengths = lengths_that_fit(asked_lengths, c.seq_len, options.max_new_tokens, shortened);
     std::int64_t peak = 0;  // one cache at a time: the largest peak over lengths and policies
-    for (int length : lengths) {
-      const int prompt_len = std::min(length, c.seq_len - options.max_new_tokens), total = prompt_len + options.max_new_tokens;
+    for (int prompt_len : lengths) {
+      const int total = prompt_len + options.max_new_tokens;
       for (Growth growth : {Growth::kConcatenate, Growth::kChunked})
         peak = std::max(peak, kvs::ch02::peak_positions(growth, prompt_len, total));
     }
@@ -136,7 +162,7 @@ int main(int argc, char** argv) {
     while (static_cast<int>(all_tokens.size()) < c.seq_len) all_tokens.insert(all_tokens.end(), rt.prompt.begin(), rt.prompt.end());
 
     if (breakdown) {
-      std::cerr << rt.describe() << "\n";
+      std::cerr << rt.describe() << "\n" << shortened;
       kvs::CsvWriter breakdown_csv({"--csv", options.csv},
                                    "prompt_tokens,step_ms_mean,step_ms_p50,step_ms_p99,matmul_ms,attention_ms,other_ms,"
                                    "weight_bytes,kv_bytes,achieved_gbs,limit_gbs,threads,operations,graph_ms_p50,"
@@ -145,17 +171,15 @@ int main(int argc, char** argv) {
       if (breakdown_csv.enabled()) std::cerr << "wrote " << breakdown_csv.path() << "\n";
       return 0;
     }
-    std::cerr << rt.describe() << "\n" << options.max_new_tokens << " new tokens per cached run, " << naive_tokens
-              << " per naive run; machine: " << std::thread::hardware_concurrency() << " cores\n\n";
+    std::cerr << rt.describe() << "\n" << shortened << options.max_new_tokens << " new tokens per cached run, "
+              << naive_tokens << " per naive run; machine: " << std::thread::hardware_concurrency() << " cores\n\n";
 
     std::vector<std::string> methods = {"naive", "concatenate", "chunked", "preallocated"};
     const bool graph = rt.backend.can_record();
     if (graph) methods.push_back("preallocated+graph");
     const std::size_t per_length = methods.size();
     std::vector<Row> rows;
-    for (int length : lengths) {
-      const int prompt_len = std::min(length, c.seq_len - options.max_new_tokens);
-      if (prompt_len < 1) throw std::runtime_error("--max-new-tokens leaves no room for a prompt in the context");
+    for (int prompt_len : lengths) {
       const std::span<const int> prompt(all_tokens.data(), prompt_len);
       std::vector<int> reference;  // naive's tokens: every cached method must reproduce them
       for (const std::string& method : methods) {
