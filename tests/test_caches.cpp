@@ -120,6 +120,17 @@ TEST_CASE("preallocated cache: exactly the formula's bytes, written in place, re
     if (backend.host_memory()) CHECK(cache.resident_bytes() >= cache.allocated_bytes());  // every page written
     CHECK_THROWS_WITH(write_positions(backend, cache, 300, 1), doctest::Contains("allocated for 300"));
     CHECK_THROWS_WITH(write_positions(backend, cache, 301, 1), doctest::Contains("leaves a gap"));
+    // clear(): an empty cache again in the same memory (03_benchmark --breakdown reuses one for every run).
+    const KvView before = cache.view(0);
+    cache.clear();
+    CHECK(cache.length() == 0);
+    CHECK_THROWS_WITH(write_positions(backend, cache, 1, 1), doctest::Contains("leaves a gap after the 0"));
+    write_positions(backend, cache, 0, 5);
+    CHECK(cache.length() == 5);
+    CHECK_THROWS_WITH(cache.row(0, 5), doctest::Contains("positions 0..4"));
+    CHECK(cache.view(0).keys == before.keys);
+    CHECK(holds_positions(backend, cache, 300));  // rows 0-4 rewritten with the same values, the rest kept
+    CHECK(cache.allocated_bytes() == kv_cache_bytes(kConfig, 300));
   });
 }
 

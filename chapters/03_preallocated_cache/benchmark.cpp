@@ -141,13 +141,18 @@ int main(int argc, char** argv) {
     }
     std::string shortened;  // printed under the run's header
     const std::vector<int> lengths = lengths_that_fit(asked_lengths, c.seq_len, options.max_new_tokens, shortened);
-    std::int64_t peak = 0;  // one cache at a time: the largest peak over lengths and policies
-    for (int prompt_len : lengths) {
-      const int total = prompt_len + options.max_new_tokens;
-      for (Growth growth : {Growth::kConcatenate, Growth::kChunked})
-        peak = std::max(peak, kvs::ch02::peak_positions(growth, prompt_len, total));
+    const int longest_run = *std::max_element(lengths.begin(), lengths.end()) + options.max_new_tokens;
+    if (breakdown) {  // two preallocated caches of the longest run, held throughout (breakdown.cpp)
+      rt.plan_kv_cache(2 * kvs::kv_cache_bytes(c, longest_run));
+    } else {
+      std::int64_t peak = 0;  // one cache at a time: the largest peak over lengths and policies
+      for (int prompt_len : lengths) {
+        const int total = prompt_len + options.max_new_tokens;
+        for (Growth growth : {Growth::kConcatenate, Growth::kChunked})
+          peak = std::max(peak, kvs::ch02::peak_positions(growth, prompt_len, total));
+      }
+      rt.plan_kv_cache(kvs::kv_cache_bytes(c, peak));
     }
-    rt.plan_kv_cache(kvs::kv_cache_bytes(c, peak));
     // Rows are committed as they are measured: an interrupted sweep keeps every finished row.
     for (const kvs::NamedPath& input : rt.inputs()) inputs.push_back(input);
     kvs::CsvWriter csv({"--csv", options.csv},

@@ -37,8 +37,10 @@ double measure_read_gbs(std::int64_t bytes, int threads);
 // of several timed rounds after a warm-up: the limit on a device whose memory the host cannot read.
 double measure_copy_gbs(Backend& backend, std::int64_t bytes);
 
-// The breakdown for each prompt length in `lengths` (prefixes of `tokens`), `new_tokens` greedy tokens
-// through a preallocated cache; a table on stderr, one CSV row per length.
+// The breakdown for each prompt length in `lengths` (prefixes of `tokens`; each plus `new_tokens` within the
+// model's context), `new_tokens` greedy tokens through a preallocated cache; a table on stderr, one CSV row
+// per length. Holds two caches of the longest length plus new_tokens positions (the plain and the profiled
+// runs') for the whole sweep.
 void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vector<int>& lengths, int new_tokens,
                       CsvWriter& csv);
 

@@ -60,6 +60,9 @@ class PreallocatedKvCache final : public KvCache {
   bool replayable() const override { return true; }
 
   int length() const override { return length_; }
+  // Forgets every position, keeping the memory (and its pages): the next sequence starts at position 0 in
+  // the same buffer, as a server reuses one cache for request after request.
+  void clear() { length_ = 0; }
   KvRow row(int layer, int position) override {
     if (layer < 0 || layer >= n_layers_ || position < 0 || position >= length_)
       throw row_error("PreallocatedKvCache", layer, position,
