@@ -15,7 +15,9 @@ Fine-tuning: --init starts from a checkpoint instead of random weights; --phases
 schedule (fraction:context:batch per phase); --copy-fraction is the share of training sequences into which
 passages of word salad are written twice, far apart (with_repeated_passages). Chapter 04 needs a model that
 looks a passage up in its context to show a window taking that away, and the Bible text rarely repeats a
-passage verbatim far apart. The attempt, and why nothing of it ships yet, is in data/README.md:
+passage verbatim far apart. --copy-kind letters writes random letters instead of corpus words; either
+way the log shows the loss on the second copies' bytes alone ("repeats"). The attempts, and why nothing of
+them ships yet, are in data/README.md:
 
     OPENBLAS_NUM_THREADS=1 /usr/bin/python3 data/train.py --init data/kjv-gpt.bin --copy-fraction 0.5 \
         --steps 900 --lr 2e-3 --warmup 30 --phases 0.7:512:8,0.3:1024:4 --out /tmp/kjv-gpt-copy.bin
@@ -86,6 +88,9 @@ def parse_args():
     ap.add_argument("--init", help="start from this checkpoint (fine-tuning) instead of random weights")
     ap.add_argument("--copy-fraction", type=float, default=0.0,
                     help="share of sequences with a passage repeated later in them (default 0)")
+    ap.add_argument("--copy-kind", choices=("salad", "letters"), default="salad",
+                    help="what the repeated passages are: word salad (random corpus words) or random lowercase "
+                         "letters in words of 2-8 (nothing but the first copy predicts a byte of the second)")
     ap.add_argument("--phases", help="fraction:context:batch,... (default " +
                     ",".join(f"{f}:{c}:{b}" for f, c, b in PHASES) + ")")
     args = ap.parse_args()
@@ -101,21 +106,35 @@ def parse_args():
     return args
 
 
-def with_repeated_passages(sequence, words, rng):
+def letter_salad(length, rng):
+    """`length` bytes of random lowercase words of 2-8 letters: each letter of a repeat costs log2(26) = 4.7
+    bits to a model that does not look the first copy up, and ~0 to one that does."""
+    out = bytearray()
+    while len(out) < length:
+        out += bytes(rng.integers(97, 123, size=int(rng.integers(2, 9))).astype(np.uint8)) + b" "
+    return bytes(out[:length])
+
+
+def with_repeated_passages(sequence, words, rng, kind="salad", repeats=None):
     """Writes passages of 32-128 bytes of word salad (random words of the corpus) into `sequence`, each twice,
     the second copy 40 bytes or more after the first, one pair per 128 bytes of sequence. Nothing but the
     first occurrence predicts a salad's second one, so it rewards looking that up in the context (induction);
     a verse repeated verbatim would be half predictable from the language alone. A later pair may land on an
-    earlier one: a little noise, no harm."""
+    earlier one: a little noise, no harm. kind "letters": random letters instead of words (letter_salad).
+    `repeats`, when given (a bool array of the sequence's length), marks the bytes of every second copy."""
     n = len(sequence)
     for _ in range(max(1, n // 128)):
         length = int(rng.integers(32, min(128, n // 3) + 1))
         distance = int(rng.integers(min(40, n - length - 1), n - length))
         first = int(rng.integers(0, n - length - distance + 1))
-        salad = b" ".join(words[i] for i in rng.integers(0, len(words), size=length // 2))[:length]
+        salad = (letter_salad(length, rng) if kind == "letters" else
+                 b" ".join(words[i] for i in rng.integers(0, len(words), size=length // 2))[:length])
         passage = np.frombuffer(salad.ljust(length), dtype=np.uint8)
         sequence[first:first + length] = passage
         sequence[first + distance:first + distance + length] = passage
+        if repeats is not None:
+            repeats[first:first + length] = False  # an earlier pair's repeat overwritten by this first copy
+            repeats[first + distance + 1:first + distance + length] = True  # its first byte is not predictable
     return sequence
 
 
@@ -174,8 +193,10 @@ def train(rank, args):
         ctx, batch = next((c, b) for end, c, b in bounds if step < end)
         offsets = rng.integers(0, len(train) - ctx - 1, size=batch)
         rows = [train[o:o + ctx + 1].copy() for o in offsets]
-        rows = [with_repeated_passages(r, words, rng) if args.copy_fraction and rng.random() < args.copy_fraction else r
-                for r in rows]  # no draw when 0: the default run stays the shipped one
+        repeats = np.zeros((batch, ctx + 1), dtype=bool)  # bytes of second copies: their loss is logged apart
+        rows = [with_repeated_passages(r, words, rng, args.copy_kind, repeats[i])
+                if args.copy_fraction and rng.random() < args.copy_fraction else r
+                for i, r in enumerate(rows)]  # no draw when 0: the default run stays the shipped one
         chunk = torch.from_numpy(np.stack(rows).astype(np.int64))
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
@@ -186,8 +207,14 @@ def train(rank, args):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if lead and (step % 50 == 0 or step == args.steps - 1):
+            copied = ""
+            if repeats.any():  # the loss on second copies alone: below the letters' prior only if the model copies
+                with torch.no_grad():
+                    repeat = torch.from_numpy(repeats[:, 1:].reshape(-1))
+                    losses = F.cross_entropy(logits.reshape(-1, cfg.vocab_size)[repeat], chunk[:, 1:].reshape(-1)[repeat])
+                copied = f"  repeats {losses.item() / LN2:.3f} bits/byte"
             print(f"step {step:5d}  ctx {ctx:4d}  lr {lr_at(step):.2e}  train {loss.item() / LN2:.3f} bits/byte"
-                  f"  {time.time() - start:6.0f} s", flush=True)
+                  f"{copied}  {time.time() - start:6.0f} s", flush=True)
         if lead and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             model.eval()
             with torch.no_grad():
