@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 common/install-deps.sh build plots
 cmake --preset release >/dev/null
 cmake --build --preset release
-build/release/bin/03_benchmark --lengths 32,64,128,256,512,1024,1536,2048 \
+build/release/bin/03_benchmark --lengths 32,64,128,256,512,1024,1536,1984 \
   --csv plots/data/speedup.csv --memory-csv plots/data/cache_memory.csv "$@"
 build/release/bin/03_benchmark --breakdown --lengths 32,128,256,512,1024,1536,2048 --max-new-tokens 200 --threads 1 \
   --csv plots/data/decode_breakdown.csv "$@"
