@@ -110,7 +110,9 @@ class SlidingWindowKvCache final : public KvCache {
   KeyPositions positions() const { return positions_; }
   int slots() const { return ring_.slots; }
   const Window& window() const { return window_; }
-  // The keys and values; the within-window variant adds its rotation table (window · head_dim floats).
+  // The keys and values: the formula's 2 · layers · kv_heads · head_dim · slots · 4 bytes. Beside them and not
+  // counted here: the slots' positions (slots ints) and, within-window, the rotation table (window · head_dim
+  // floats), bookkeeping that does not grow with the layers.
   std::int64_t allocated_bytes() const { return std::int64_t(storage_.size()) * sizeof(float); }
   // -1 when the cache is not in host memory (a GPU's pages are not the operating system's to count).
   std::int64_t resident_bytes() const {
