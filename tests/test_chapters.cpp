@@ -209,6 +209,16 @@ TEST_CASE("chapter 00: perplexity of a small text, and a bad context is refused"
                                " --context 1000");
   CHECK(bad.exit_code == 2);
   CHECK(bad.err.find("--context 1000 exceeds the model's context of 96") != std::string::npos);
+  // Progress: about a hundred updates however many chunks (10,000 here; it was one per 10 chunks).
+  const auto many = run_command(binary("00_perplexity") + " --model " + golden_path("mha.bin") +
+                                " --context 3 --max-bytes 30000 --threads 1");
+  CAPTURE(many.err.size());
+  REQUIRE(many.exit_code == 0);
+  std::size_t updates = 0;
+  for (std::size_t at = many.err.find("\r  chunk "); at != std::string::npos; at = many.err.find("\r  chunk ", at + 1)) ++updates;
+  CHECK(updates >= 100);
+  CHECK(updates <= 101);
+  CHECK(many.err.find("\r  chunk 10000 / 10000") != std::string::npos);
 }
 
 TEST_CASE("03_benchmark: a small sweep runs, every cache matches naive, and the CSVs have one row per run") {
