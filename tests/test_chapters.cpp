@@ -264,6 +264,9 @@ TEST_CASE("03_benchmark --breakdown: one row per length, the parts add up to the
   CAPTURE(r.err);
   REQUIRE(r.exit_code == 0);
   CHECK(r.err.find("of limit") != std::string::npos);
+  // The plan counts the two caches the breakdown holds (plain and profiled runs): 2 x (40 + 20 positions) x
+  // 2 layers x 64 floats x 2 (K, V) x 4 bytes = 120 KiB.
+  CHECK(r.err.find("+ KV cache 120 KiB =") != std::string::npos);
   const auto lines = kvs::test::read_csv(csv);
   REQUIRE(lines.size() == 3);  // the header and one row per length
   CHECK(lines[0] == std::vector<std::string>{"prompt_tokens", "step_ms_mean", "step_ms_p50", "step_ms_p99", "matmul_ms",

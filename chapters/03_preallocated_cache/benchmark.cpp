@@ -141,9 +141,8 @@ int main(int argc, char** argv) {
     }
     std::string shortened;  // printed under the run's header
     const std::vector<int> lengths = lengths_that_fit(asked_lengths, c.seq_len, options.max_new_tokens, shortened);
-    const int longest_run = *std::max_element(lengths.begin(), lengths.end()) + options.max_new_tokens;
-    if (breakdown) {  // two preallocated caches of the longest run, held throughout (breakdown.cpp)
-      rt.plan_kv_cache(2 * kvs::kv_cache_bytes(c, longest_run));
+    if (breakdown) {
+      rt.plan_kv_cache(kvs::ch03::breakdown_cache_bytes(c, lengths, options.max_new_tokens));
     } else {
       std::int64_t peak = 0;  // one cache at a time: the largest peak over lengths and policies
       for (int prompt_len : lengths) {

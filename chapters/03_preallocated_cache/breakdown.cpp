@@ -90,6 +90,16 @@ double measure_copy_gbs(Backend& backend, std::int64_t bytes) {
   return best;
 }
 
+namespace {
+int longest_run_positions(const std::vector<int>& lengths, int new_tokens) {
+  return *std::max_element(lengths.begin(), lengths.end()) + new_tokens;
+}
+}  // namespace
+
+std::int64_t breakdown_cache_bytes(const ModelConfig& c, const std::vector<int>& lengths, int new_tokens) {
+  return 2 * kv_cache_bytes(c, longest_run_positions(lengths, new_tokens));
+}
+
 void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vector<int>& lengths, int new_tokens,
                       CsvWriter& csv) {
   ProfilingBackend profiled(rt.backend);
@@ -113,7 +123,7 @@ void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vecto
   // sixteen, lifted the mean step (at 512 positions, one thread: 0.075 -> 0.088 ms) and the p99 (0.15 -> 0.20
   // ms), measured back to back. A server reuses its cache's memory; that cost is chapter 03's lesson, not a
   // decode step's.
-  const int longest_run = *std::max_element(lengths.begin(), lengths.end()) + new_tokens;
+  const int longest_run = longest_run_positions(lengths, new_tokens);
   PreallocatedKvCache plain_cache(rt.backend, c, longest_run), profiled_cache(profiled, c, longest_run);
   auto run = [&](Model& m, PreallocatedKvCache& cache, int prompt_len, DecodeSteps steps, const OnLogits& on_logits = {}) {
     Sampler greedy(c.vocab_size, {});

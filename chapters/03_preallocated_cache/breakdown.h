@@ -37,10 +37,13 @@ double measure_read_gbs(std::int64_t bytes, int threads);
 // of several timed rounds after a warm-up: the limit on a device whose memory the host cannot read.
 double measure_copy_gbs(Backend& backend, std::int64_t bytes);
 
+// The KV cache bytes decode_breakdown holds for the whole sweep: two caches (the plain and the profiled
+// runs') of the longest length plus new_tokens positions. For the run's memory plan.
+std::int64_t breakdown_cache_bytes(const ModelConfig& c, const std::vector<int>& lengths, int new_tokens);
+
 // The breakdown for each prompt length in `lengths` (prefixes of `tokens`; each plus `new_tokens` within the
 // model's context), `new_tokens` greedy tokens through a preallocated cache; a table on stderr, one CSV row
-// per length. Holds two caches of the longest length plus new_tokens positions (the plain and the profiled
-// runs') for the whole sweep.
+// per length.
 void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vector<int>& lengths, int new_tokens,
                       CsvWriter& csv);
 
