@@ -12,6 +12,10 @@ break_contamination.png (how far each cache row moved, layer x position, one cor
 chapter 06: off_by_one_probes.png (the share of probes that pass, vs probe length);
 decode_breakdown.png (where a decode step's time goes vs context, stacked, and the time reading the same bytes
 at the measured bandwidth would take).
+Chapter 04 on the copying model (data/kjv-gpt-copy.bin; drawn when its CSVs exist): copy_recall_vs_window.png
+(recall against window over distance, W/d: every distance collapses at W = d), copy_what_fails_first.png
+(recall, topic and local fluency against window) and copy_induction_heads.png (per layer and head, the
+attention a repeated byte puts on the byte to copy).
 """
 import csv
 import sys
@@ -97,6 +101,8 @@ def main():
     finish(fig, ax, "positions in the cache", "KV cache bytes (MiB)", "Cache memory grows linearly with context",
            "cache_bytes_vs_context.png", log=False, legend="lower right")
     window_figures()
+    if (DATA / "copy_window_recall.csv").exists():
+        copy_figures()
     break_figures()
     breakdown_figure()
     print("wrote", ", ".join(p.name for p in sorted(HERE.glob("*.png"))))
@@ -132,6 +138,71 @@ def window_figures():
     top.legend(fontsize="small")
     top.set_title("A window keeps memory and time per token flat")
     finish(fig, bottom, "tokens generated", "ms per token", "", "window_memory_vs_length.png", log=False)
+
+
+def copy_figures():
+    """Chapter 04's question on the model that copies (data/kjv-gpt-copy.bin)."""
+    rows = read("copy_window_recall.csv")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    for ax, kind in zip(axes, ("word salad", "verses")):
+        mine = [r for r in rows if r["passage_kind"] == kind]
+        for d, color in zip(sorted({int(r["distance"]) for r in mine}), plt.cm.viridis([0.0, 0.3, 0.6, 0.85, 0.95])):
+            at_d = [r for r in mine if int(r["distance"]) == d]
+            points = sorted((int(r["window"]) / d, float(r["recalled_share"])) for r in at_d
+                            if r["window"] not in ("full", "not seen"))
+            ax.plot(*zip(*points), marker="o", color=color, label=f"d = {d}")
+            unseen = [float(r["recalled_share"]) for r in at_d if r["window"] == "not seen"]
+            ax.axhline(unseen[0], color=color, ls=":", lw=1)
+        ax.axvline(1.0, color="black", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("window / distance  (W / d)")
+        ax.set_title(f"{kind}: recall collapses at W = d")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("share of the repeat's bytes predicted exactly")
+    axes[0].legend(fontsize="small", title="dotted: not seen", title_fontsize="small")
+    fig.tight_layout()
+    fig.savefig(HERE / "copy_recall_vs_window.png", dpi=120)
+
+    fluency = read("copy_window_fluency.csv")
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    full_x = 2 * max(int(r["window"]) for r in rows if r["window"] not in ("full", "not seen"))  # "full", drawn right
+
+    def x_of(window):
+        return full_x if window == "full" else int(window)
+    for d, color in ((128, "tab:blue"), (1024, "tab:purple")):
+        points = sorted((x_of(r["window"]), float(r["recalled_share"])) for r in rows if r["passage_kind"] == "word salad"
+                        and int(r["distance"]) == d and r["window"] != "not seen")
+        ax.plot(*zip(*points), marker="o", color=color, label=f"recall, word salad at d = {d}")
+    for column, color, label in (("names_from_prompt_share", "tab:orange", "topic: names from the prompt"),
+                                 ("known_word_share", "tab:green", "local fluency: known words")):
+        points = sorted((x_of(r["window"]), float(r[column])) for r in fluency)
+        ax.plot(*zip(*points), marker="s", color=color, label=label)
+    ax.set_xscale("log", base=2)
+    ticks = sorted({x_of(r["window"]) for r in fluency} | {x_of(r["window"]) for r in rows if r["window"] != "not seen"})
+    ax.set_xticks(ticks, ["full" if t == full_x else str(t) for t in ticks], fontsize="small")
+    ax.set_ylim(0, 1.02)
+    finish(fig, ax, "window (keys each query sees)", "share", "What fails first as the window shrinks (copying model)",
+           "copy_what_fails_first.png", log=False, legend="lower right")
+
+    heads = read("copy_induction.csv")
+    layers, n_heads = 1 + max(int(r["layer"]) for r in heads), 1 + max(int(r["head"]) for r in heads)
+    grid = [[0.0] * n_heads for _ in range(layers)]
+    for r in heads:
+        grid[int(r["layer"])][int(r["head"])] = float(r["next_byte_weight"])
+    fig, ax = plt.subplots(figsize=(4.8, 4.4))
+    image = ax.imshow(grid, cmap="magma", vmin=0, vmax=1)
+    for layer in range(layers):
+        for head in range(n_heads):
+            ax.text(head, layer, f"{grid[layer][head]:.2f}", ha="center", va="center",
+                    color="white" if grid[layer][head] < 0.5 else "black", fontsize="small")
+    ax.set_xticks(range(n_heads))
+    ax.set_yticks(range(layers))
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_title(f"Attention on the byte to copy (d = {heads[0]['distance']})", fontsize="medium")
+    fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(HERE / "copy_induction_heads.png", dpi=120)
 
 
 def breakdown_figure():

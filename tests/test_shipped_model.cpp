@@ -1,4 +1,4 @@
-// The shipped model (data/kjv-gpt.bin) against the PyTorch reference's golden files
+// The shipped models (data/kjv-gpt.bin, data/kjv-gpt-copy.bin) against the PyTorch reference's golden files
 // (data/reference/make_shipped_golden.py): logits on three prompts, 200 greedy tokens, and the evaluator.
 #include <doctest/doctest.h>
 
@@ -32,16 +32,16 @@ std::vector<T> read_array(std::istream& in, std::size_t n) {
   return out;
 }
 
-}  // namespace
-
-TEST_CASE("shipped model: C++ logits equal PyTorch's on three prompts, one longer than 1024 bytes") {
+// Each check runs on both shipped models: kjv-gpt (the default everywhere) and kjv-gpt-copy (chapter 04's
+// model that copies from its context); the golden files are data/reference/make_shipped_golden.py's.
+void logits_equal_pytorch(const std::string& name) {
   // Same tolerance and reasoning as test_golden.cpp: fp32 with different summation orders; the largest
   // difference seen is printed (about 1e-5 on logits of magnitude ~10).
   constexpr float kTolerance = 1e-4f;
-  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const Checkpoint checkpoint(find_data_file(name + ".bin"));
   CpuBackend backend(test::test_threads());
   Model model(checkpoint, backend);
-  std::ifstream in(test::golden_path("kjv-gpt.logits"), std::ios::binary);
+  std::ifstream in(test::golden_path(name + ".logits"), std::ios::binary);
   REQUIRE(in);
   const int prompts = read_array<std::int32_t>(in, 1)[0];
   REQUIRE(prompts == 3);
@@ -59,18 +59,18 @@ TEST_CASE("shipped model: C++ logits equal PyTorch's on three prompts, one longe
     for (std::size_t r = 0; r < rows.size(); ++r)
       for (int v = 0; v < 256; ++v)
         worst = std::max(worst, std::abs(logits[std::size_t(rows[r]) * 256 + v] - expected[r * 256 + v]));
-    MESSAGE("prompt of " << tokens.size() << " bytes: largest |C++ - PyTorch| = " << worst);
+    MESSAGE(name << ", prompt of " << tokens.size() << " bytes: largest |C++ - PyTorch| = " << worst);
     CHECK(worst <= kTolerance);
   }
   CHECK(longest > 1024);
 }
 
-TEST_CASE("shipped model: 200 greedy tokens are byte for byte PyTorch's, with and without a cache") {
-  const std::string golden = slurp(test::golden_path("kjv-gpt.greedy.txt"));
+void greedy_equals_pytorch(const std::string& name) {
+  const std::string golden = slurp(test::golden_path(name + ".greedy.txt"));
   const std::string prompt = "And God said, ";
   REQUIRE(golden.size() == prompt.size() + 200);
   REQUIRE(golden.rfind(prompt, 0) == 0);
-  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const Checkpoint checkpoint(find_data_file(name + ".bin"));
   CpuBackend backend(test::test_threads());
   Model model(checkpoint, backend);
   const std::vector<int> tokens = encode_bytes(prompt);
@@ -84,19 +84,40 @@ TEST_CASE("shipped model: 200 greedy tokens are byte for byte PyTorch's, with an
   CHECK(decode_bytes(generate_cached(model, cache, cached_sampler, tokens, 200).tokens) == golden);
 }
 
-TEST_CASE("shipped model: the C++ evaluator equals PyTorch's bits per byte within 0.01") {
-  std::istringstream line(slurp(test::golden_path("kjv-gpt.eval.txt")));
+void evaluator_equals_pytorch(const std::string& name) {
+  std::istringstream line(slurp(test::golden_path(name + ".eval.txt")));
   int bytes = 0, context = 0;
   double reference = 0;
   line >> bytes >> context >> reference;
   REQUIRE(bytes > 0);
-  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const Checkpoint checkpoint(find_data_file(name + ".bin"));
   CpuBackend backend(test::test_threads());
   Model model(checkpoint, backend);
   const std::string text = test::validation_text().substr(0, bytes);
   const Perplexity p = evaluate_perplexity(model, encode_bytes(text), context);
-  MESSAGE("C++ " << p.bits_per_byte << " bits/byte, PyTorch " << reference);
+  MESSAGE(name << ": C++ " << p.bits_per_byte << " bits/byte, PyTorch " << reference);
   CHECK(std::abs(p.bits_per_byte - reference) < 0.01);
   CHECK(p.predicted == bytes - 1);
   CHECK(p.perplexity == doctest::Approx(std::exp2(p.bits_per_byte)));
+}
+
+}  // namespace
+
+TEST_CASE("shipped model: C++ logits equal PyTorch's on three prompts, one longer than 1024 bytes") {
+  logits_equal_pytorch("kjv-gpt");
+}
+TEST_CASE("shipped model: 200 greedy tokens are byte for byte PyTorch's, with and without a cache") {
+  greedy_equals_pytorch("kjv-gpt");
+}
+TEST_CASE("shipped model: the C++ evaluator equals PyTorch's bits per byte within 0.01") {
+  evaluator_equals_pytorch("kjv-gpt");
+}
+TEST_CASE("copying model: C++ logits equal PyTorch's on three prompts, one longer than 1024 bytes") {
+  logits_equal_pytorch("kjv-gpt-copy");
+}
+TEST_CASE("copying model: 200 greedy tokens are byte for byte PyTorch's, with and without a cache") {
+  greedy_equals_pytorch("kjv-gpt-copy");
+}
+TEST_CASE("copying model: the C++ evaluator equals PyTorch's bits per byte within 0.01") {
+  evaluator_equals_pytorch("kjv-gpt-copy");
 }

@@ -143,20 +143,31 @@ std::vector<std::string> word_salads(const std::string& text, int count, std::si
   return chosen;
 }
 
+// The recall probe's text: a passage (96 bytes) + "\n" + unrelated text + "\n" + the passage again, so
+// that each byte of the repeat sits `distance` bytes after its first occurrence (96 + 1 + filler + 1).
+// The unrelated text comes from the other half of the held-out text, a different stretch for each k.
+std::vector<int> repeat_text(const Lab& lab, const std::string& first, const std::string& passage, std::size_t k,
+                             int distance) {
+  const int filler = distance - static_cast<int>(passage.size()) - 2;
+  const std::size_t from = line_start(lab.held_out, (lab.held_out.size() / 2 + k * 9973) % lab.held_out.size());
+  return encode_bytes(first + "\n" + lab.held_out.substr(from, filler) + "\n" + passage);
+}
+
+constexpr int kPassage = 96, kCue = 32, kPassages = 8;
+
 }  // namespace
 
 void recall_vs_window(const Lab& lab, const std::vector<int>& windows, const std::vector<int>& distances, CsvWriter& csv) {
-  // The text: passage (96 bytes) + "\n" + unrelated text + "\n" + the passage again. Teacher-forced, so
-  // one early mistake does not decide the score: the share of the second passage's last 64 bytes that the
-  // model predicts exactly (its most likely next byte is the true one), given everything before. `distance`
-  // is how far back each byte's first occurrence sits: 96 + 1 + filler + 1 bytes. The first 32 bytes of the
-  // repeat are the cue; the last row is the same text without the first occurrence (what the model
-  // guesses without having seen the passage). Two kinds of passage: verses, and word salad (copying alone).
-  constexpr int kPassage = 96, kCue = 32, kPassages = 8;
+  // Teacher-forced, so one early mistake does not decide the score: the share of the second passage's last
+  // 64 bytes that the model predicts exactly (its most likely next byte is the true one), given everything
+  // before. The first 32 bytes of the repeat are the cue; the last row is the same text without the first
+  // occurrence (what the model guesses without having seen the passage). Two kinds of passage: verses, and
+  // word salad (copying alone).
   const std::pair<const char*, std::vector<std::string>> kinds[] = {
       {"verses", verses(lab.held_out, kPassages, kPassage)}, {"word salad", word_salads(lab.held_out, kPassages, kPassage)}};
   std::fprintf(stderr, "exact recall: the share of a passage's last %d bytes predicted exactly (teacher-forced) when the\n"
-                       "passage was seen `d` bytes earlier; mean of %d passages\n",
+                       "passage was seen `d` bytes earlier; mean of %d passages. [brackets]: window W = d, the smallest\n"
+                       "that still holds the first occurrence of every byte to predict (key_visible: distance < W)\n",
                kPassage - kCue, kPassages);
   for (const auto& [kind, chosen] : kinds) {
     std::fprintf(stderr, "\n  %-12s", kind);
@@ -167,13 +178,10 @@ void recall_vs_window(const Lab& lab, const std::vector<int>& windows, const std
     for (int size : rows) {
       std::fprintf(stderr, "  %-12s", size < 0 ? "not seen" : window_name(size).c_str());
       for (int distance : distances) {
-        const int filler = distance - kPassage - 2;
         long correct = 0, scored = 0;
         for (std::size_t k = 0; k < chosen.size(); ++k) {
-          // Unrelated text: from the other half of the held-out text.
-          const std::size_t from = line_start(lab.held_out, (lab.held_out.size() / 2 + k * 9973) % lab.held_out.size());
           const std::string first = size < 0 ? std::string(kPassage, ' ') : chosen[k];  // not seen: blanks instead
-          const std::vector<int> text = encode_bytes(first + "\n" + lab.held_out.substr(from, filler) + "\n" + chosen[k]);
+          const std::vector<int> text = repeat_text(lab, first, chosen[k], k, distance);
           const int n = static_cast<int>(text.size()), scored_bytes = kPassage - kCue;
           auto cache = make_cache(lab, {std::max(size, 0), 0}, n);
           // The last scored_bytes bytes are predicted at the positions just before them.
@@ -181,12 +189,110 @@ void recall_vs_window(const Lab& lab, const std::vector<int>& windows, const std
           correct += repeat.correct, scored += repeat.scored;
         }
         const double share = double(correct) / scored;
-        std::fprintf(stderr, " %9.2f", share);
+        char cell[16];
+        std::snprintf(cell, sizeof cell, size == distance ? "[%.2f]" : "%.2f ", share);
+        std::fprintf(stderr, " %9s", cell);
         csv.row(kind, size < 0 ? "not seen" : window_name(size), distance, share, chosen.size());
       }
       csv.commit();
       std::fprintf(stderr, "\n");
     }
+  }
+}
+
+namespace {
+
+// Where each head looks from the bytes of a repeated passage: the weight on the byte after the passage's
+// earlier occurrence of the query's byte (what an induction head attends to: it copies that byte), on that
+// earlier occurrence itself, and on the byte just before the query (a previous-token head, which is what
+// lets an induction head's keys say which byte preceded them). Queries: the repeat's bytes but its last.
+struct WhereRepeatsLook final : AttentionObserver {
+  int heads, distance, repeat_begin, repeat_end;
+  std::vector<double> induction, same_byte, previous;  // (layers, heads), summed over queries
+  std::vector<long> queries;                           // (layers)
+  // The weights of `traced` queries on the first occurrence's positions 0 .. kPassage - 1, per layer and
+  // head, for the text heat map: (traced, layers, heads, kPassage).
+  std::vector<int> traced;
+  std::vector<float> traced_weights;
+
+  WhereRepeatsLook(int layers, int heads, int distance, int repeat_begin, std::vector<int> traced)
+      : heads(heads), distance(distance), repeat_begin(repeat_begin), repeat_end(repeat_begin + kPassage - 1),
+        induction(std::size_t(layers) * heads), same_byte(induction.size()), previous(induction.size()), queries(layers),
+        traced(std::move(traced)), traced_weights(this->traced.size() * layers * heads * kPassage) {}
+
+  void on_attention(int layer, int pos, int n, const KvView& view, std::span<const float> weights) override {
+    for (int i = 0; i < n; ++i) {
+      const int q = pos + i;
+      if (q < repeat_begin || q >= repeat_end) continue;
+      ++queries[layer];
+      const auto trace = std::ranges::find(traced, q - repeat_begin);
+      for (int h = 0; h < heads; ++h) {
+        const float* w = weights.data() + (std::size_t(i) * heads + h) * view.rows;
+        const std::size_t at = std::size_t(layer) * heads + h;
+        for (int r = 0; r < view.rows; ++r) {
+          const int key = view.position_of(r);
+          if (key == q - distance + 1) induction[at] += w[r];
+          if (key == q - distance) same_byte[at] += w[r];
+          if (key == q - 1) previous[at] += w[r];
+          if (trace != traced.end() && key >= 0 && key < kPassage)
+            traced_weights[((std::size_t(trace - traced.begin()) * queries.size() + layer) * heads + h) * kPassage + key] = w[r];
+        }
+      }
+    }
+  }
+};
+
+// A weight as a character, darker for more: the text heat map's scale.
+char shade(float weight) {
+  constexpr const char* kShades = " .:-=+*#%@";
+  return kShades[std::clamp(static_cast<int>(weight * 10), 0, 9)];
+}
+
+}  // namespace
+
+void induction_heads(const Lab& lab, int distance, CsvWriter& csv) {
+  const ModelConfig& c = lab.rt.model.config();
+  const std::vector<std::string> salads = word_salads(lab.held_out, kPassages, kPassage);
+  const std::vector<int> traced = {40, 60, 80};  // repeat bytes whose attention the heat map shows
+  WhereRepeatsLook look(c.n_layers, c.n_heads, distance, distance, traced);
+  for (std::size_t k = 0; k < salads.size(); ++k) {
+    if (k == 1) look.traced.clear();  // the heat map shows the first passage
+    const std::vector<int> text = repeat_text(lab, salads[k], salads[k], k, distance);
+    auto cache = make_cache(lab, {0, 0}, static_cast<int>(text.size()));
+    lab.rt.model.observe_attention(&look);
+    teacher_forced(lab, *cache, text);
+    lab.rt.model.observe_attention(nullptr);
+  }
+  std::fprintf(stderr, "where each head looks from the bytes of a repeated word salad (%d passages of %d bytes, seen %d bytes\n"
+                       "earlier, full cache); mean attention weight per query on:\n"
+                       "  next      the byte after the earlier occurrence of the query's byte (what an induction head copies)\n"
+                       "  same      that earlier occurrence itself\n"
+                       "  previous  the byte just before the query (a previous-token head)\n\n"
+                       "  %-6s %-5s %8s %8s %9s   next, as a bar\n", kPassages, kPassage, distance, "layer", "head", "next",
+               "same", "previous");
+  std::size_t best = 0;
+  for (int l = 0; l < c.n_layers; ++l)
+    for (int h = 0; h < c.n_heads; ++h) {
+      const std::size_t at = std::size_t(l) * c.n_heads + h;
+      const double q = double(look.queries[l]), next = look.induction[at] / q;
+      if (next > look.induction[best] / look.queries[best / c.n_heads]) best = at;
+      std::fprintf(stderr, "  %-6d %-5d %8.3f %8.3f %9.3f   %s\n", l, h, next, look.same_byte[at] / q, look.previous[at] / q,
+                   std::string(static_cast<std::size_t>(std::lround(next * 40)), '#').c_str());
+      csv.row(l, h, next, look.same_byte[at] / q, look.previous[at] / q, distance);
+    }
+  csv.commit();
+  const int layer = static_cast<int>(best / c.n_heads), head = static_cast<int>(best % c.n_heads);
+  std::fprintf(stderr, "\nthe head with the most weight on the byte to copy: layer %d, head %d. Its attention from three bytes of\n"
+                       "the repeat onto the passage's first occurrence (darker: more weight, scale \" .:-=+*#%%@\" in tenths;\n"
+                       "^ marks the byte after the query's own earlier occurrence, the one to predict):\n\n"
+                       "  %-20s |%s|\n", layer, head, "first occurrence", salads[0].c_str());
+  for (std::size_t t = 0; t < traced.size(); ++t) {
+    std::string bar(kPassage, ' '), mark(kPassage, ' ');
+    for (int key = 0; key < kPassage; ++key)
+      bar[key] = shade(look.traced_weights[((t * c.n_layers + layer) * c.n_heads + head) * kPassage + key]);
+    mark[traced[t] + 1] = '^';
+    const std::string query = "query '" + salads[0].substr(traced[t], 1) + "' (byte " + std::to_string(traced[t]) + ")";
+    std::fprintf(stderr, "  %-20s |%s|\n  %-20s |%s|\n", query.c_str(), bar.c_str(), "", mark.c_str());
   }
 }
 

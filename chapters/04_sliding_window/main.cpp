@@ -19,7 +19,7 @@
 namespace {
 
 constexpr const char* kDefaultPrompt = "And God said, ";
-constexpr const char* kExperiments = "generate, perplexity, recall, fluency, stream, memory, samples";
+constexpr const char* kExperiments = "generate, perplexity, recall, induction, fluency, stream, memory, samples";
 
 // "full,1024,64" -> {0, 1024, 64}; 0 stands for no window.
 std::vector<int> parse_windows(const std::string& text, int seq_len) {
@@ -43,6 +43,7 @@ int main(int argc, char** argv) {
   options.max_new_tokens = 300;
   std::string experiment = "generate", positions_name = "absolute";
   std::string windows_text = "full,1024,512,256,128,64,32,16,8,4", recall_windows_text = "full,1024,512,256,128,64,32";
+  std::string distances_text = "128,256,512,1024";
   int window = 256, sinks = 0, chunk = 64, max_bytes = 16384, context = 0, stream_bytes = 0;
   kvs::ArgParser parser(
       "04_sliding_window",
@@ -55,6 +56,9 @@ int main(int argc, char** argv) {
       "  generate    stream a generation (text to stdout); memory, p50/p99 per token to stderr\n"
       "  perplexity  bits/byte of the held-out text per window, without and with --sinks (default 4)\n"
       "  recall      exact recall of a passage (a verse; word salad) seen d bytes earlier, per window and d\n"
+      "              (--distances)\n"
+      "  induction   per layer and head, the attention from a repeated passage's bytes onto the byte after\n"
+      "              their earlier occurrence (an induction head), at the largest of --distances\n"
       "  fluency     local fluency (known words) and topic (names from the prompt) per window\n"
       "  stream      bits/byte over one stream of 4x the trained context, window without and with sinks;\n"
       "              the attention the first positions receive, per layer\n"
@@ -65,6 +69,7 @@ int main(int argc, char** argv) {
       "              peak_rss_growth_bytes, decode_ms_p50, decode_ms_p99, total_s\n"
       "  perplexity  window, sinks, bits_per_byte, bytes, context\n"
       "  recall      passage_kind, window, distance, recalled_share, passages\n"
+      "  induction   layer, head, next_byte_weight, same_byte_weight, previous_byte_weight, distance\n"
       "  fluency     window, known_word_share, words, names_from_prompt_share, names\n"
       "  stream      measure, config, window, sinks, layer, value, even_spread\n"
       "  memory      cache, generated, ms_p50, ms_p99, allocated_bytes, resident_bytes, peak_rss_bytes");
@@ -76,6 +81,8 @@ int main(int argc, char** argv) {
   parser.add_string("--positions", "KIND", "absolute or within-window (default absolute; see above)", &positions_name);
   parser.add_int("--chunk", "positions per forward call: prefill and evaluation (default 64)", &chunk, 1, 4096);
   parser.add_string("--windows", "LIST", "windows for perplexity, fluency and samples, e.g. full,256,32", &windows_text);
+  parser.add_string("--distances", "LIST", "recall and induction: distances d of 98 or more bytes (default 128,256,512,1024)",
+                    &distances_text);
   parser.add_int("--max-bytes", "perplexity: held-out bytes to evaluate (default 16384)", &max_bytes, 2, 1 << 30);
   parser.add_int("--context", "perplexity: positions per sequence (default: the model's context)", &context, 1, 1 << 21);
   parser.add_int("--stream-bytes", "stream: bytes of the held-out stream (default 4x the model's context)", &stream_bytes,
@@ -119,10 +126,13 @@ int main(int argc, char** argv) {
                                                                     : "";
     const std::vector<int> windows =
         default_windows.empty() ? std::vector<int>{} : parse_windows(parser.given("--windows") ? windows_text : default_windows, seq_len);
+    // The recall probe's text is a 96-byte passage, a newline, unrelated text, a newline, the passage again.
+    const std::vector<int> distances = kvs::parse_int_list("--distances", distances_text, 98, 1 << 20);
+    const int longest_distance = std::ranges::max(distances);
     const int new_tokens = options.max_new_tokens;
     const int generated = static_cast<int>(kvs::resolve_prompt(options, kDefaultPrompt).size()) + new_tokens;
     const int full_rows = experiment == "perplexity" ? context
-                          : experiment == "recall"   ? 1024 + 96  // the longest probe text (experiments.cpp)
+                          : experiment == "recall" || experiment == "induction" ? longest_distance + 96  // the longest text
                           : experiment == "fluency"  ? 1024 + new_tokens
                           : experiment == "stream"   ? seq_len  // its full cache restarts every seq_len positions
                           : experiment == "generate" ? 0
@@ -131,13 +141,14 @@ int main(int argc, char** argv) {
     int widest = experiment == "generate" || experiment == "stream" || experiment == "memory" ? window : 0;
     for (int w : windows) widest = std::max(widest, w);
     const bool uses_full = experiment != "generate" && (windows.empty() || std::ranges::count(windows, 0) > 0 ||
-                                                        experiment == "recall");
+                                                        experiment == "recall" || experiment == "induction");
     // A full cache keeps absolute positions: past the trained context, its keys sit at positions the model
     // never saw. Refused, like the ring's absolute variant, rather than measured.
     if (uses_full && full_rows > seq_len)
       throw kvs::UsageError("--experiment " + experiment + " runs a full cache over " + std::to_string(full_rows) +
                             " positions, past the model's context of " + std::to_string(seq_len) + "; " +
-                            (experiment == "recall" ? "it needs a model with a context of at least " + std::to_string(full_rows)
+                            (experiment == "recall" || experiment == "induction"
+                                ? "it needs a model with a context of at least " + std::to_string(full_rows) + " (or shorter --distances)"
                                                     : std::string("leave 'full' out of --windows") +
                                                           (full_rows - new_tokens < seq_len ? ", or ask for fewer --max-new-tokens" : "")));
     const int kv_rows = std::max(uses_full ? full_rows : 0, widest > 0 ? widest + chunk - 1 : 0);
@@ -156,6 +167,9 @@ int main(int argc, char** argv) {
                              experiment == "generate" ? std::string()
                                                       : kvs::read_input_file("the held-out text",
                                                                              kvs::find_data_file("kjv/valid.txt"), 1u << 30)};
+    if ((experiment == "recall" || experiment == "induction") && std::size_t(longest_distance) > lab.held_out.size() / 2)
+      throw kvs::UsageError("--distances " + std::to_string(longest_distance) + ": the filler between the copies comes from "
+                            "the held-out text's second half; give distances of at most " + std::to_string(lab.held_out.size() / 2));
     if (experiment == "generate" || experiment == "memory" || experiment == "samples") check_fits(options.max_new_tokens);
     if (experiment == "fluency") check_fits(1024 + options.max_new_tokens);  // its prompts are 1024 bytes
     // The largest cache an experiment holds at once: a ring, or a full cache.
@@ -203,7 +217,11 @@ int main(int argc, char** argv) {
       kvs::ch04::perplexity_vs_window(lab, windows, sinks, context, max_bytes, csv);
     } else if (experiment == "recall") {
       kvs::CsvWriter csv({"--csv", options.csv}, "passage_kind,window,distance,recalled_share,passages", rt.inputs());
-      kvs::ch04::recall_vs_window(lab, windows, {128, 256, 512, 1024}, csv);
+      kvs::ch04::recall_vs_window(lab, windows, distances, csv);
+    } else if (experiment == "induction") {
+      kvs::CsvWriter csv({"--csv", options.csv}, "layer,head,next_byte_weight,same_byte_weight,previous_byte_weight,distance",
+                         rt.inputs());
+      kvs::ch04::induction_heads(lab, longest_distance, csv);
     } else if (experiment == "fluency") {
       kvs::CsvWriter csv({"--csv", options.csv}, "window,known_word_share,words,names_from_prompt_share,names", rt.inputs());
       kvs::ch04::topic_and_fluency(lab, windows, options.max_new_tokens, csv);

@@ -16,7 +16,7 @@ LN2 = math.log(2.0)
 
 
 def bits_per_byte(model, text: bytes, context: int, limit_chunks=None):
-    data = torch.tensor(list(text), dtype=torch.int64)
+    data = torch.tensor(list(text), dtype=torch.int64, device=next(model.parameters()).device)
     total, count = 0.0, 0
     for c, start in enumerate(range(0, len(data) - 1, context)):
         if limit_chunks is not None and c >= limit_chunks:

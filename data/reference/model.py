@@ -43,7 +43,7 @@ class Config:
 def rope_cos_sin(positions, head_dim):
     """cos/sin of angle pos * theta^(-2i/head_dim) for pairs i; angles in float64, like common/rope."""
     pos = positions.to(torch.float64)[:, None]
-    i = torch.arange(0, head_dim // 2, dtype=torch.float64)[None, :]
+    i = torch.arange(0, head_dim // 2, dtype=torch.float64, device=positions.device)[None, :]
     angle = pos * torch.pow(torch.tensor(ROPE_THETA, dtype=torch.float64), -2.0 * i / head_dim)
     return torch.cos(angle).to(torch.float32), torch.sin(angle).to(torch.float32)  # (T, head_dim/2)
 
@@ -51,7 +51,7 @@ def rope_cos_sin(positions, head_dim):
 def apply_rope(x, cos, sin):
     """x: (B, T, heads, head_dim). Rotates consecutive pairs (2i, 2i+1) by the pair's angle."""
     x0, x1 = x[..., 0::2], x[..., 1::2]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)  # bf16 under autocast stays bf16
     out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
     return out.flatten(-2)
 
@@ -91,9 +91,14 @@ class Block(nn.Module):
         k = k.repeat_interleave(group, dim=2)
         v = v.repeat_interleave(group, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(cfg.head_dim)
-        scores = scores.masked_fill(mask, float("-inf"))
-        att = F.softmax(scores, dim=-1) @ v
+        if q.is_cuda:
+            # Training on a GPU (train.py): the same causal softmax(q k^T / sqrt(head_dim)) v, through PyTorch's
+            # fused kernel, which never writes the (T, T) scores to memory (torch >= 2.0).
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = q @ k.transpose(-2, -1) / math.sqrt(cfg.head_dim)
+            scores = scores.masked_fill(mask, float("-inf"))
+            att = F.softmax(scores, dim=-1) @ v
         x = x + self.wo(att.transpose(1, 2).reshape(B, T, cfg.dim))
         h = self.ffn_norm(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
@@ -124,8 +129,9 @@ class Transformer(nn.Module):
     def forward(self, tokens, start_pos=0):
         """tokens: (B, T) int64 -> logits (B, T, vocab). Positions start_pos .. start_pos+T-1."""
         T = tokens.shape[1]
-        cos, sin = rope_cos_sin(torch.arange(start_pos, start_pos + T), self.cfg.head_dim)
-        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)  # True = hidden (future)
+        device = tokens.device
+        cos, sin = rope_cos_sin(torch.arange(start_pos, start_pos + T, device=device), self.cfg.head_dim)
+        mask = None if tokens.is_cuda else torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)  # True = hidden
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
@@ -163,13 +169,13 @@ def write_checkpoint(model, path):
             f.write(struct.pack("7i", cfg.dim, cfg.hidden_dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
                                 vocab, cfg.seq_len))
             for t in _tensors_in_file_order(model):
-                f.write(t.detach().to(torch.float32).contiguous().numpy().tobytes())
+                f.write(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
             # two legacy RoPE tables (freq_cis_real, freq_cis_imag), never read by the C++ loader
             cos, sin = rope_cos_sin(torch.arange(cfg.seq_len), cfg.head_dim)
             f.write(cos.numpy().tobytes())
             f.write(sin.numpy().tobytes())
             if not cfg.shared_classifier:
-                f.write(model.output.weight.detach().to(torch.float32).contiguous().numpy().tobytes())
+                f.write(model.output.weight.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
         mask = os.umask(0)
         os.umask(mask)
         os.chmod(temp, 0o666 & ~mask)
