@@ -163,6 +163,9 @@ def copy_figures():
     fig.tight_layout()
     fig.savefig(HERE / "copy_recall_vs_window.png", dpi=120)
 
+    # What fails first: every probe with the same 4 sinks (without them this model loses its attention sink
+    # and everything fails at once, chapter 04's section 6).
+    rows = read("copy_window_recall_sinks.csv")
     fluency = read("copy_window_fluency.csv")
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     full_x = 2 * max(int(r["window"]) for r in rows if r["window"] not in ("full", "not seen"))  # "full", drawn right
@@ -181,7 +184,8 @@ def copy_figures():
     ticks = sorted({x_of(r["window"]) for r in fluency} | {x_of(r["window"]) for r in rows if r["window"] != "not seen"})
     ax.set_xticks(ticks, ["full" if t == full_x else str(t) for t in ticks], fontsize="small")
     ax.set_ylim(0, 1.02)
-    finish(fig, ax, "window (keys each query sees)", "share", "What fails first as the window shrinks (copying model)",
+    finish(fig, ax, "window (keys each query sees, 4 of them sinks)", "share",
+           "What fails first as the window shrinks (copying model)",
            "copy_what_fails_first.png", log=False, legend="lower right")
 
     heads = read("copy_induction.csv")

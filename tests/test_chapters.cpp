@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -193,6 +194,54 @@ TEST_CASE("chapter 04: exact recall on the shipped model, verses and word salad,
   CHECK(r.err.find("  word salad ") != std::string::npos);
   // header; 2 kinds x (window 32, not seen) x 4 distances
   CHECK(count_lines(dir.file("recall.csv")) == 1 + 2 * 2 * 4);
+}
+
+TEST_CASE("chapter 04: the copying model recalls word salad while the window holds its first copy, not after") {
+  // What data/kjv-gpt-copy.bin ships for (data/README.md): recall far above the unseen baseline with a full
+  // cache and with W = d (the smallest window whose keys still reach the byte to predict, key_visible:
+  // distance < W), back at the baseline with W = d / 2. Thresholds: measured 0.99 / 1.00 against 0.51-0.55
+  // at these distances (book 04, section 6); 0.9 and 0.65 leave room for another compiler's rounding, and a
+  // window off by one key (W = d would then lose the byte to predict) fails the W = d check.
+  kvs::test::TempDir dir;
+  const auto r = run_command(binary("04_sliding_window") + " --model " + kvs::find_data_file("kjv-gpt-copy.bin") +
+                             " --experiment recall --windows full,256,128,64 --distances 128,256 --threads 1 --csv " +
+                             dir.file("recall.csv"));
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  std::map<std::string, double> share;  // "window d" -> word salad recall
+  for (const auto& row : kvs::test::read_csv(dir.file("recall.csv")))
+    if (row.at(0) == "word salad") share[row.at(1) + " " + row.at(3)] = std::stod(row.at(4));
+  REQUIRE(share.size() == 5 * 2);  // full, 256, 128, 64, not seen x 2 distances
+  for (const char* cell : {"full 128", "full 256", "128 128", "256 256", "256 128"}) {
+    CAPTURE(cell);
+    CHECK(share[cell] >= 0.9);
+  }
+  for (const char* cell : {"64 128", "128 256", "not seen 128", "not seen 256"}) {
+    CAPTURE(cell);
+    CHECK(share[cell] < 0.65);
+  }
+  CHECK(r.err.find("[1.00]") != std::string::npos);  // the W = d cells are marked
+}
+
+TEST_CASE("chapter 04: the induction view finds the copying model's induction head and none in the shipped model") {
+  // Mean weight a repeated byte puts on the byte after its earlier occurrence, strongest head: measured 0.37
+  // (layer 4, head 1) on kjv-gpt-copy.bin at d = 1024 and 0.001 on kjv-gpt.bin.
+  kvs::test::TempDir dir;
+  auto strongest = [&](const std::string& model) {
+    const auto r = run_command(binary("04_sliding_window") + " --model " + kvs::find_data_file(model) +
+                               " --experiment induction --distances 512 --threads 1 --csv " + dir.file("heads.csv"));
+    CAPTURE(r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(r.err.find("the head with the most weight on the byte to copy") != std::string::npos);
+    const auto rows = kvs::test::read_csv(dir.file("heads.csv"));
+    REQUIRE(rows.size() == 1 + 5 * 4);  // header, layers x heads
+    double best = 0;
+    for (std::size_t i = 1; i < rows.size(); ++i) best = std::max(best, std::stod(rows[i].at(2)));
+    return best;
+  };
+  CHECK(strongest("kjv-gpt-copy.bin") > 0.2);
+  CHECK(strongest("kjv-gpt.bin") < 0.05);
+  CHECK(run_command(binary("04_sliding_window") + " --experiment induction --distances 97").exit_code == 2);
 }
 
 TEST_CASE("chapter 00: perplexity of a small text, and a bad context is refused") {

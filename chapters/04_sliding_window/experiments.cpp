@@ -157,7 +157,8 @@ constexpr int kPassage = 96, kCue = 32, kPassages = 8;
 
 }  // namespace
 
-void recall_vs_window(const Lab& lab, const std::vector<int>& windows, const std::vector<int>& distances, CsvWriter& csv) {
+void recall_vs_window(const Lab& lab, const std::vector<int>& windows, int sinks, const std::vector<int>& distances,
+                      CsvWriter& csv) {
   // Teacher-forced, so one early mistake does not decide the score: the share of the second passage's last
   // 64 bytes that the model predicts exactly (its most likely next byte is the true one), given everything
   // before. The first 32 bytes of the repeat are the cue; the last row is the same text without the first
@@ -166,9 +167,10 @@ void recall_vs_window(const Lab& lab, const std::vector<int>& windows, const std
   const std::pair<const char*, std::vector<std::string>> kinds[] = {
       {"verses", verses(lab.held_out, kPassages, kPassage)}, {"word salad", word_salads(lab.held_out, kPassages, kPassage)}};
   std::fprintf(stderr, "exact recall: the share of a passage's last %d bytes predicted exactly (teacher-forced) when the\n"
-                       "passage was seen `d` bytes earlier; mean of %d passages. [brackets]: window W = d, the smallest\n"
-                       "that still holds the first occurrence of every byte to predict (key_visible: distance < W)\n",
-               kPassage - kCue, kPassages);
+                       "passage was seen `d` bytes earlier; mean of %d passages; windows with %d sinks. [brackets]: W = d,\n"
+                       "the smallest window that still holds the first occurrence of every byte to predict (key_visible:\n"
+                       "distance < W - sinks; with sinks that edge moves to W = d + sinks)\n",
+               kPassage - kCue, kPassages, sinks);
   for (const auto& [kind, chosen] : kinds) {
     std::fprintf(stderr, "\n  %-12s", kind);
     for (int d : distances) std::fprintf(stderr, " %9s", ("d=" + std::to_string(d)).c_str());
@@ -183,7 +185,7 @@ void recall_vs_window(const Lab& lab, const std::vector<int>& windows, const std
           const std::string first = size < 0 ? std::string(kPassage, ' ') : chosen[k];  // not seen: blanks instead
           const std::vector<int> text = repeat_text(lab, first, chosen[k], k, distance);
           const int n = static_cast<int>(text.size()), scored_bytes = kPassage - kCue;
-          auto cache = make_cache(lab, {std::max(size, 0), 0}, n);
+          auto cache = make_cache(lab, {std::max(size, 0), size > sinks ? sinks : 0}, n);
           // The last scored_bytes bytes are predicted at the positions just before them.
           const Nats repeat = teacher_forced(lab, *cache, text, n - scored_bytes - 1).late;
           correct += repeat.correct, scored += repeat.scored;
@@ -192,7 +194,7 @@ void recall_vs_window(const Lab& lab, const std::vector<int>& windows, const std
         char cell[16];
         std::snprintf(cell, sizeof cell, size == distance ? "[%.2f]" : "%.2f ", share);
         std::fprintf(stderr, " %9s", cell);
-        csv.row(kind, size < 0 ? "not seen" : window_name(size), distance, share, chosen.size());
+        csv.row(kind, size < 0 ? "not seen" : window_name(size), size > sinks ? sinks : 0, distance, share, chosen.size());
       }
       csv.commit();
       std::fprintf(stderr, "\n");
@@ -296,23 +298,23 @@ void induction_heads(const Lab& lab, int distance, CsvWriter& csv) {
   }
 }
 
-void topic_and_fluency(const Lab& lab, const std::vector<int>& windows, int new_tokens, CsvWriter& csv) {
+void topic_and_fluency(const Lab& lab, const std::vector<int>& windows, int sinks, int new_tokens, CsvWriter& csv) {
   constexpr int kPrompts = 16, kPromptBytes = 1024;
   const Lexicon lexicon(lab.held_out);
   std::vector<std::string> prompts;
   for (int k = 0; k < kPrompts; ++k)
     prompts.push_back(lab.held_out.substr(line_start(lab.held_out, lab.held_out.size() * k / kPrompts), kPromptBytes));
-  std::fprintf(stderr, "%d prompts of %d held-out bytes, %d new bytes each (the run's sampling settings)\n"
+  std::fprintf(stderr, "%d prompts of %d held-out bytes, %d new bytes each (the run's sampling settings), %d sinks\n"
                        "  local fluency: the share of generated words that are words of the held-out text\n"
                        "  topic: of the proper names generated, the share that the prompt contains\n\n"
-                       "  %-8s %14s %8s %14s %8s\n", kPrompts, kPromptBytes, new_tokens, "window", "known words", "words",
+                       "  %-8s %14s %8s %14s %8s\n", kPrompts, kPromptBytes, new_tokens, sinks, "window", "known words", "words",
                "names in prompt", "names");
   for (int size : windows) {
     int words = 0, names = 0;
     double known = 0, from_prompt = 0;
     for (const std::string& text : prompts) {
       const std::vector<int> prompt = encode_bytes(text);
-      auto cache = make_cache(lab, {size, 0}, int(prompt.size()) + new_tokens);
+      auto cache = make_cache(lab, {size, size > sinks ? sinks : 0}, int(prompt.size()) + new_tokens);
       const std::string continuation = generated_text(generate_with(lab, *cache, prompt, new_tokens), prompt.size());
       const ProbeScore fluency = known_word_share(continuation, lexicon);
       const ProbeScore topic = names_from_prompt_share(text, continuation, lexicon);
@@ -321,7 +323,7 @@ void topic_and_fluency(const Lab& lab, const std::vector<int>& windows, int new_
     }
     const double known_share = words ? known / words : 0, prompt_share = names ? from_prompt / names : 0;
     std::fprintf(stderr, "  %-8s %14.3f %8d %14.3f %8d\n", window_name(size).c_str(), known_share, words, prompt_share, names);
-    csv.row(window_name(size), known_share, words, prompt_share, names);
+    csv.row(window_name(size), size > sinks ? sinks : 0, known_share, words, prompt_share, names);
     csv.commit();
   }
 }

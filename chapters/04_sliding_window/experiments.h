@@ -30,12 +30,12 @@ std::string window_name(int size);  // "full" or the number
 void perplexity_vs_window(const Lab& lab, const std::vector<int>& windows, int sinks, int context, int max_bytes,
                           CsvWriter& csv);
 // 2. Exact recall vs window and distance; topic consistency and local fluency vs window.
-void recall_vs_window(const Lab& lab, const std::vector<int>& windows, const std::vector<int>& distances,
+void recall_vs_window(const Lab& lab, const std::vector<int>& windows, int sinks, const std::vector<int>& distances,
                       CsvWriter& csv);
 // The mechanism behind recall: per layer and head, the attention from a repeated passage's bytes onto the
 // byte after their earlier occurrence (an induction head), and a text heat map of the strongest such head.
 void induction_heads(const Lab& lab, int distance, CsvWriter& csv);
-void topic_and_fluency(const Lab& lab, const std::vector<int>& windows, int new_tokens, CsvWriter& csv);
+void topic_and_fluency(const Lab& lab, const std::vector<int>& windows, int sinks, int new_tokens, CsvWriter& csv);
 // 3. Past the trained context: bits per byte over a long stream, window without and with sinks, and the
 // attention the first positions receive, per layer.
 void stream_past_context(const Lab& lab, Window window, int stream_bytes, CsvWriter& csv);

@@ -68,15 +68,15 @@ int main(int argc, char** argv) {
       "  generate    window, sinks, positions, prompt_tokens, new_tokens, slots, allocated_bytes, resident_bytes,\n"
       "              peak_rss_growth_bytes, decode_ms_p50, decode_ms_p99, total_s\n"
       "  perplexity  window, sinks, bits_per_byte, bytes, context\n"
-      "  recall      passage_kind, window, distance, recalled_share, passages\n"
+      "  recall      passage_kind, window, sinks, distance, recalled_share, passages\n"
       "  induction   layer, head, next_byte_weight, same_byte_weight, previous_byte_weight, distance\n"
-      "  fluency     window, known_word_share, words, names_from_prompt_share, names\n"
+      "  fluency     window, sinks, known_word_share, words, names_from_prompt_share, names\n"
       "  stream      measure, config, window, sinks, layer, value, even_spread\n"
       "  memory      cache, generated, ms_p50, ms_p99, allocated_bytes, resident_bytes, peak_rss_bytes");
   kvs::add_common_flags(parser, options, '"' + std::string(kDefaultPrompt) + '"');
   parser.add_string("--experiment", "NAME", "what to run (default generate; see above)", &experiment);
   parser.add_int("--window", "keys each query sees, sinks included (default 256)", &window, 1, 1 << 21);
-  parser.add_int("--sinks", "first positions kept forever (default 0; perplexity and stream compare 0 with this, default 4 there)",
+  parser.add_int("--sinks", "first positions kept forever (default 0; recall and fluency: in every window; perplexity and stream compare 0 with this, default 4 there)",
                  &sinks, 0, 1 << 21);
   parser.add_string("--positions", "KIND", "absolute or within-window (default absolute; see above)", &positions_name);
   parser.add_int("--chunk", "positions per forward call: prefill and evaluation (default 64)", &chunk, 1, 4096);
@@ -216,15 +216,15 @@ int main(int argc, char** argv) {
       kvs::CsvWriter csv({"--csv", options.csv}, "window,sinks,bits_per_byte,bytes,context", rt.inputs());
       kvs::ch04::perplexity_vs_window(lab, windows, sinks, context, max_bytes, csv);
     } else if (experiment == "recall") {
-      kvs::CsvWriter csv({"--csv", options.csv}, "passage_kind,window,distance,recalled_share,passages", rt.inputs());
-      kvs::ch04::recall_vs_window(lab, windows, distances, csv);
+      kvs::CsvWriter csv({"--csv", options.csv}, "passage_kind,window,sinks,distance,recalled_share,passages", rt.inputs());
+      kvs::ch04::recall_vs_window(lab, windows, sinks, distances, csv);
     } else if (experiment == "induction") {
       kvs::CsvWriter csv({"--csv", options.csv}, "layer,head,next_byte_weight,same_byte_weight,previous_byte_weight,distance",
                          rt.inputs());
       kvs::ch04::induction_heads(lab, longest_distance, csv);
     } else if (experiment == "fluency") {
-      kvs::CsvWriter csv({"--csv", options.csv}, "window,known_word_share,words,names_from_prompt_share,names", rt.inputs());
-      kvs::ch04::topic_and_fluency(lab, windows, options.max_new_tokens, csv);
+      kvs::CsvWriter csv({"--csv", options.csv}, "window,sinks,known_word_share,words,names_from_prompt_share,names", rt.inputs());
+      kvs::ch04::topic_and_fluency(lab, windows, sinks, options.max_new_tokens, csv);
     } else if (experiment == "stream") {
       kvs::CsvWriter csv({"--csv", options.csv}, "measure,config,window,sinks,layer,value,even_spread", rt.inputs());
       kvs::ch04::stream_past_context(lab, {window, sinks}, stream_bytes ? stream_bytes : 4 * seq_len, csv);
