@@ -26,6 +26,11 @@ banner "Chapter 04: the sliding window (a ring of slots: memory stays flat, even
 "$bin/04_sliding_window" --window 64 --max-new-tokens 300
 echo  # end the chapter's text with a newline
 "$bin/04_sliding_window" --positions within-window --window 256 --max-new-tokens 5000 > /dev/null
+if [ -f data/kjv-gpt-copy.bin ]; then
+  banner "Chapter 04, the model that copies: recall holds while the window keeps the first copy (W >= d), then collapses"
+  "$bin/04_sliding_window" --model data/kjv-gpt-copy.bin --experiment recall --windows full,512,256,128 --distances 128,256,512
+  "$bin/04_sliding_window" --model data/kjv-gpt-copy.bin --experiment induction --distances 512
+fi
 banner "Chapter 05: break it - corrupt one cached key (texts side by side, KL per step, where the damage spreads)"
 "$bin/05_break_corrupt_key" --max-new-tokens 60 --restore-after 10 --every 5
 banner "Chapter 06: break it - write each position one slot off (the equivalence check catches it)"

@@ -20,6 +20,17 @@ ch04=build/release/bin/04_sliding_window
 "$ch04" --experiment stream --window 256 --sinks 4 --csv plots/data/window_stream.csv "$@"
 "$ch04" --experiment memory --window 256 --positions within-window --max-new-tokens 10240 \
   --csv plots/data/window_memory.csv "$@"
+# Chapter 04 on the model that copies (data/kjv-gpt-copy.bin, when present): recall against W / d, the
+# induction heads, what fails first with 4 sinks.
+copy=data/kjv-gpt-copy.bin
+if [ -f "$copy" ]; then
+  "$ch04" --model "$copy" --experiment recall --csv plots/data/copy_window_recall.csv "$@"
+  "$ch04" --model "$copy" --experiment recall --sinks 4 --csv plots/data/copy_window_recall_sinks.csv "$@"
+  "$ch04" --model "$copy" --experiment induction --csv plots/data/copy_induction.csv "$@"
+  "$ch04" --model "$copy" --experiment stream --window 256 --sinks 4 --csv plots/data/copy_window_stream.csv "$@"
+  "$ch04" --model "$copy" --experiment fluency --sinks 4 --windows full,512,128,32,16,8 --temperature 0.8 --seed 1 \
+    --csv plots/data/copy_window_fluency.csv "$@"
+fi
 # Chapters 05-06: break the cache on purpose.
 ch05=build/release/bin/05_break_corrupt_key
 "$ch05" --contamination-csv plots/data/break_contamination.csv --csv plots/data/break_run.csv "$@" >/dev/null
