@@ -93,7 +93,8 @@ class Block(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         if q.is_cuda:
             # Training on a GPU (train.py): the same causal softmax(q k^T / sqrt(head_dim)) v, through PyTorch's
-            # fused kernel, which never writes the (T, T) scores to memory (torch >= 2.0).
+            # fused kernel, which never writes the (T, T) scores to memory (torch >= 2.0). is_causal masks the
+            # square (T, T) block, which is the CPU path's mask too: every call here starts at position 0.
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             scores = q @ k.transpose(-2, -1) / math.sqrt(cfg.head_dim)
