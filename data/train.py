@@ -110,9 +110,6 @@ def parse_args():
                     help="cuda: processes that build batches ahead of the GPU (each step's batch from its own seed)")
     ap.add_argument("--state", help="save the whole training state (weights, optimizer, step) here at every eval")
     ap.add_argument("--resume", help="continue from a --state file written by an earlier segment of the same run")
-    ap.add_argument("--plan-minutes", type=float, default=0,
-                    help="set --steps from the speed of the first steps so that the run takes about this long "
-                         "(one phase only; the log says the count, which reproduces the run as --steps)")
     ap.add_argument("--stop-after-minutes", type=float, default=0,
                     help="stop (after saving --state and --out) once this much wall time has passed; resume later")
     ap.add_argument("--phases", help="fraction:context:batch,... (default " +
@@ -133,8 +130,6 @@ def parse_args():
         ap.error("--phases: give fraction:context:batch triples separated by commas, e.g. 0.5:512:8,0.5:1024:4")
     if abs(sum(f for f, _, _ in args.phases) - 1.0) > 1e-6 or any(c < 2 or b < 1 for _, c, b in args.phases):
         ap.error("--phases: fractions must add up to 1, contexts be at least 2 and batches at least 1")
-    if args.plan_minutes and len(args.phases) != 1:
-        ap.error("--plan-minutes needs a single --phases entry (the phases' bounds depend on --steps)")
     return args
 
 
@@ -307,15 +302,7 @@ def train(rank, args):
 
     start = time.time()
     model.train()
-    step = first_step
-    while step < args.steps:
-        if args.plan_minutes and step == first_step + 100:  # after compiling and warming up: time 50 steps
-            timed_from = time.time()
-        if args.plan_minutes and step == first_step + 150:
-            per_step = (time.time() - timed_from) / 50
-            args.steps = step + int((60 * args.plan_minutes - (time.time() - start)) / per_step) // 100 * 100
-            bounds[-1] = (args.steps, *bounds[-1][1:])
-            print(f"planned: {args.steps} steps ({per_step * 1e3:.1f} ms a step, {args.plan_minutes} min)", flush=True)
+    for step in range(first_step, args.steps):
         ctx, _ = phase_of(step)
         chunk, repeats = next_batch(step)
         chunk = chunk.to(args.device, non_blocking=True)
@@ -361,7 +348,6 @@ def train(rank, args):
                 print(f"stopped after step {step} ({args.stop_after_minutes} min); resume with --resume {args.state}",
                       flush=True)
             return
-        step += 1
 
     minutes = (time.time() - start) / 60
     if not lead:

@@ -78,6 +78,8 @@ std::size_t line_start(const std::string& text, std::size_t offset) {
 
 }  // namespace
 
+Window window_with_sinks(int size, int sinks) { return {size, size > sinks ? sinks : 0}; }
+
 std::unique_ptr<KvCache> make_cache(const Lab& lab, Window window, int max_positions) {
   if (window.size == 0) return std::make_unique<ch03::PreallocatedKvCache>(lab.rt.backend, lab.rt.model.config(), max_positions);
   return std::make_unique<SlidingWindowKvCache>(lab.rt.backend, lab.rt.model.config(), window, lab.chunk, lab.positions);
@@ -185,7 +187,7 @@ void recall_vs_window(const Lab& lab, const std::vector<int>& windows, int sinks
           const std::string first = size < 0 ? std::string(kPassage, ' ') : chosen[k];  // not seen: blanks instead
           const std::vector<int> text = repeat_text(lab, first, chosen[k], k, distance);
           const int n = static_cast<int>(text.size()), scored_bytes = kPassage - kCue;
-          auto cache = make_cache(lab, {std::max(size, 0), size > sinks ? sinks : 0}, n);
+          auto cache = make_cache(lab, window_with_sinks(std::max(size, 0), sinks), n);
           // The last scored_bytes bytes are predicted at the positions just before them.
           const Nats repeat = teacher_forced(lab, *cache, text, n - scored_bytes - 1).late;
           correct += repeat.correct, scored += repeat.scored;
@@ -194,7 +196,8 @@ void recall_vs_window(const Lab& lab, const std::vector<int>& windows, int sinks
         char cell[16];
         std::snprintf(cell, sizeof cell, size == distance ? "[%.2f]" : "%.2f ", share);
         std::fprintf(stderr, " %9s", cell);
-        csv.row(kind, size < 0 ? "not seen" : window_name(size), size > sinks ? sinks : 0, distance, share, chosen.size());
+        csv.row(kind, size < 0 ? "not seen" : window_name(size), window_with_sinks(size, sinks).sinks, distance, share,
+                chosen.size());
       }
       csv.commit();
       std::fprintf(stderr, "\n");
@@ -314,7 +317,7 @@ void topic_and_fluency(const Lab& lab, const std::vector<int>& windows, int sink
     double known = 0, from_prompt = 0;
     for (const std::string& text : prompts) {
       const std::vector<int> prompt = encode_bytes(text);
-      auto cache = make_cache(lab, {size, size > sinks ? sinks : 0}, int(prompt.size()) + new_tokens);
+      auto cache = make_cache(lab, window_with_sinks(size, sinks), int(prompt.size()) + new_tokens);
       const std::string continuation = generated_text(generate_with(lab, *cache, prompt, new_tokens), prompt.size());
       const ProbeScore fluency = known_word_share(continuation, lexicon);
       const ProbeScore topic = names_from_prompt_share(text, continuation, lexicon);
@@ -323,7 +326,7 @@ void topic_and_fluency(const Lab& lab, const std::vector<int>& windows, int sink
     }
     const double known_share = words ? known / words : 0, prompt_share = names ? from_prompt / names : 0;
     std::fprintf(stderr, "  %-8s %14.3f %8d %14.3f %8d\n", window_name(size).c_str(), known_share, words, prompt_share, names);
-    csv.row(window_name(size), size > sinks ? sinks : 0, known_share, words, prompt_share, names);
+    csv.row(window_name(size), window_with_sinks(size, sinks).sinks, known_share, words, prompt_share, names);
     csv.commit();
   }
 }
@@ -450,7 +453,7 @@ void memory_vs_length(const Lab& lab, Window window, int new_tokens, CsvWriter& 
 
 void samples(const Lab& lab, const std::vector<int>& windows, int sinks, int new_tokens) {
   for (int size : windows) {
-    const Window w{size, size > sinks ? sinks : 0};
+    const Window w = window_with_sinks(size, sinks);
     auto cache = make_cache(lab, w, int(lab.rt.prompt.size()) + new_tokens);
     const Generation g = generate_with(lab, *cache, lab.rt.prompt, new_tokens);
     std::printf("--- window %s%s ---\n%s\n\n", window_name(size).c_str(),

@@ -25,6 +25,9 @@ struct Lab {
 // A window of `size` keys (0: no window - the chapter 03 cache of `max_positions`), with `sinks`.
 std::unique_ptr<KvCache> make_cache(const Lab& lab, Window window, int max_positions);
 std::string window_name(int size);  // "full" or the number
+// A window of `size` keys with `sinks` of them kept from the start, or none where the window is too small
+// to hold them beside a recent key (and none for size 0, a full cache).
+Window window_with_sinks(int size, int sinks);
 
 // 1. Bits per byte of the held-out text vs window, with and without sinks.
 void perplexity_vs_window(const Lab& lab, const std::vector<int>& windows, int sinks, int context, int max_bytes,
