@@ -79,6 +79,8 @@ class Backend {
   virtual int begin_recording() { throw std::logic_error(std::string(name()) + " cannot record operations"); }
   virtual void end_recording() { throw std::logic_error(std::string(name()) + " cannot record operations"); }
   virtual void replay(int /*recording*/) { throw std::logic_error(std::string(name()) + " cannot record operations"); }
+  // How many launches the last recording holds (kernels and copies: a CUDA graph's nodes), 0 before one.
+  virtual int recorded_launches() const { return 0; }
 
   // ---- operations ----
   // Integer arguments in backend memory: tokens (n) token ids, positions (n) absolute positions.
@@ -112,6 +114,49 @@ class Backend {
   virtual void swiglu(float* gate, const float* up, std::size_t count) = 0;
   // x (count) += y
   virtual void add(float* x, const float* y, std::size_t count) = 0;
+
+  // ---- fused operations ----
+  // What a layer does around its attention, as three calls a backend may run as fewer, larger kernels: for
+  // the few tokens of a decode step a GPU spends longer launching an operation than running it, and reads the
+  // weights once whatever the kernel does with them (book 07). Each is defined by the operations above; that
+  // definition is the default implementation (the CPU's, bit for bit what the model computed before), and
+  // its intermediates are the buffers the caller passes, which a fusing backend may leave untouched.
+  // fused_tokens(): the most tokens per call a backend runs them fused (0: never; larger calls take the
+  // definition).
+  virtual int fused_tokens() const { return 0; }
+
+  // One product of norm_products: out (n, d_out) = normed · wᵀ (w uploaded by upload_matrix), then, when
+  // `rope` is not null, RoPE with that table (n, head_dim/2, 2) on out's d_out / head_dim heads.
+  struct Product {
+    float* out;
+    const float* w;
+    int d_out;
+    const float* rope = nullptr;
+  };
+  // normed (n, d_in) = rmsnorm(x, norm_weight), then each product of normed: a sub-layer's input products
+  // (attention's q, k, v; the classifier).
+  virtual void norm_products(float* normed, const float* x, const float* norm_weight, int n, int d_in, int head_dim,
+                             std::span<const Product> products) {
+    rmsnorm(normed, x, norm_weight, n, d_in);
+    for (const Product& p : products) {
+      matmul(p.out, normed, p.w, n, d_in, p.d_out);
+      if (p.rope) rope(p.out, p.rope, n, p.d_out / head_dim, head_dim);
+    }
+  }
+  // gate (n, hidden) = silu(normed · w1ᵀ) ⊙ (normed · w3ᵀ), normed (n, d_in) = rmsnorm(x, norm_weight), up
+  // (n, hidden) = normed · w3ᵀ: the MLP's first half.
+  virtual void norm_swiglu(float* gate, float* up, float* normed, const float* x, const float* norm_weight,
+                           const float* w1, const float* w3, int n, int d_in, int hidden) {
+    rmsnorm(normed, x, norm_weight, n, d_in);
+    matmul(gate, normed, w1, n, d_in, hidden);
+    matmul(up, normed, w3, n, d_in, hidden);
+    swiglu(gate, up, std::size_t(n) * hidden);
+  }
+  // x (n, d_out) += product (n, d_out) = in (n, d_in) · wᵀ: a sub-layer's output added to the residual stream.
+  virtual void matmul_add(float* x, float* product, const float* in, const float* w, int n, int d_in, int d_out) {
+    matmul(product, in, w, n, d_in, d_out);
+    add(x, product, std::size_t(n) * d_out);
+  }
 };
 
 // Throws std::invalid_argument when [dst, dst + floats) and [src, src + floats) overlap.

@@ -135,14 +135,11 @@ void Model::compute(int n, int pos, KvCache& kv, Logits which) {
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& w = layers_[l];
     // attention: x += Wo · attention(RoPE(Wq · norm(x)), RoPE(Wk · norm(x)), Wv · norm(x))
-    b.rmsnorm(xb, x, w.rms_att, n, dim);              // xb (n, dim)
-    b.matmul(q, xb, w.wq, n, dim, dim);               // q (n, n_heads · head_dim)
-    b.matmul(k, xb, w.wk, n, dim, kv_dim);            // k (n, n_kv_heads · head_dim)
-    b.matmul(v, xb, w.wv, n, dim, kv_dim);            // v (n, n_kv_heads · head_dim)
-    if (rotate_here) {
-      b.rope(q, rope, n, c.n_heads, c.head_dim());
-      b.rope(k, rope, n, c.n_kv_heads, c.head_dim());
-    }
+    const float* qk_rope = rotate_here ? rope : nullptr;
+    const Backend::Product qkv[] = {{q, w.wq, dim, qk_rope},       // q (n, n_heads · head_dim)
+                                    {k, w.wk, kv_dim, qk_rope},    // k (n, n_kv_heads · head_dim)
+                                    {v, w.wv, kv_dim}};            // v (n, n_kv_heads · head_dim)
+    b.norm_products(xb, x, w.rms_att, n, dim, c.head_dim(), qkv);  // xb (n, dim) = norm(x) (backend.h)
     kv.write(l, pos, n, positions, k, v);             // the cache keeps what later positions will read
     const KvView visible = kv.view(l);                // (rows, kv_dim) keys and values
     if (visible.rows > max_kv_rows_)
@@ -160,23 +157,18 @@ void Model::compute(int n, int pos, KvCache& kv, Logits which) {
       }
       observer_->on_attention(l, pos, n, observed, {host_weights_.data(), count});
     }
-    b.matmul(xb, att, w.wo, n, dim, dim);             // xb (n, dim)
-    b.add(x, xb, std::size_t(n) * dim);
+    b.matmul_add(x, xb, att, w.wo, n, dim, dim);      // x (n, dim) += xb (n, dim) = Wo · att
 
     // MLP: x += W2 · (silu(W1 · norm(x)) ⊙ W3 · norm(x))
-    b.rmsnorm(xb, x, w.rms_ffn, n, dim);              // xb (n, dim)
-    b.matmul(hb, xb, w.w1, n, dim, hidden);           // hb (n, hidden)
-    b.matmul(hb2, xb, w.w3, n, dim, hidden);          // hb2 (n, hidden)
-    b.swiglu(hb, hb2, std::size_t(n) * hidden);       // hb (n, hidden)
-    b.matmul(xb, hb, w.w2, n, hidden, dim);           // xb (n, dim)
-    b.add(x, xb, std::size_t(n) * dim);
+    b.norm_swiglu(hb, hb2, xb, x, w.rms_ffn, w.w1, w.w3, n, dim, hidden);  // hb (n, hidden); hb2 = W3 · xb
+    b.matmul_add(x, xb, hb, w.w2, n, hidden, dim);    // x (n, dim) += xb (n, dim) = W2 · hb
   }
 
   // logits = classifier · norm(x), for the last position or for all of them
   const int first = which == Logits::kLastPosition ? n - 1 : 0;
   const int rows = n - first;
-  b.rmsnorm(xb, x + std::size_t(first) * dim, rms_final_, rows, dim);  // xb (rows, dim)
-  b.matmul(logits_.data(), xb, classifier_, rows, dim, c.vocab_size);  // logits (rows, vocab)
+  const Backend::Product classify[] = {{logits_.data(), classifier_, c.vocab_size}};  // logits (rows, vocab)
+  b.norm_products(xb, x + std::size_t(first) * dim, rms_final_, rows, dim, c.head_dim(), classify);  // xb (rows, dim)
 }
 
 std::span<const float> Model::read_logits(int n, Logits which) {

@@ -92,6 +92,23 @@ class ProfilingBackend final : public Backend {
   void add(float* x, const float* y, std::size_t count) override {
     timed(OpKind::kOther, [&] { inner_.add(x, y, count); });
   }
+  // A fused operation is one operation, a weight product, where the inner backend fuses it (a norm or an add
+  // rides along with the product it feeds); elsewhere its definition runs here, each part timed as its kind.
+  int fused_tokens() const override { return inner_.fused_tokens(); }
+  void norm_products(float* normed, const float* x, const float* norm_weight, int n, int d_in, int head_dim,
+                     std::span<const Product> products) override {
+    if (n > inner_.fused_tokens()) return Backend::norm_products(normed, x, norm_weight, n, d_in, head_dim, products);
+    timed(OpKind::kMatmul, [&] { inner_.norm_products(normed, x, norm_weight, n, d_in, head_dim, products); });
+  }
+  void norm_swiglu(float* gate, float* up, float* normed, const float* x, const float* norm_weight, const float* w1,
+                   const float* w3, int n, int d_in, int hidden) override {
+    if (n > inner_.fused_tokens()) return Backend::norm_swiglu(gate, up, normed, x, norm_weight, w1, w3, n, d_in, hidden);
+    timed(OpKind::kMatmul, [&] { inner_.norm_swiglu(gate, up, normed, x, norm_weight, w1, w3, n, d_in, hidden); });
+  }
+  void matmul_add(float* x, float* product, const float* in, const float* w, int n, int d_in, int d_out) override {
+    if (n > inner_.fused_tokens()) return Backend::matmul_add(x, product, in, w, n, d_in, d_out);
+    timed(OpKind::kMatmul, [&] { inner_.matmul_add(x, product, in, w, n, d_in, d_out); });
+  }
 
  private:
   template <typename Op>

@@ -118,6 +118,95 @@ TEST_CASE("cuda kernels: matrix products through the BLAS interface equal the CP
   });
 }
 
+// The fused operations (backend.h): the CPU runs their definitions (norm, products, RoPE, SwiGLU, add as
+// separate operations); the CUDA backend runs one gemv_kernel per call of up to fused_tokens() tokens. Shapes
+// cross what that kernel splits on: the token counts it is compiled for (1, 2, 4, 8) and 9 (the definition
+// again), d_in a multiple of 4 (16-byte loads) or not (one float at a time), d_in past one sweep of a block's
+// lanes (512 floats), products whose rows are not a multiple of the 4 a block computes (so a block holds rows
+// of two products), a RoPE product starting at an odd row (the launch must fall back to the definition).
+TEST_CASE("cuda kernels: the fused norm-products, SwiGLU and residual add equal their definitions") {
+  CpuBackend cpu(1);
+  std::mt19937 gen(10);
+  test::for_each_backend(kernel_backends(), [&](Backend& b) {
+    struct Out {
+      int d_out;
+      bool rope;
+    };
+    struct Case {
+      int n, d_in, head_dim;
+      std::vector<Out> outs;
+    };
+    const std::vector<Case> cases = {
+        {1, 128, 32, {{128, true}, {64, true}, {64, false}}},  // the shipped model's q, k, v
+        {3, 60, 6, {{12, true}, {6, true}, {6, false}}},
+        {8, 516, 4, {{8, true}, {4, true}, {4, false}}},
+        {5, 33, 6, {{6, true}, {6, true}, {6, false}}},
+        {2, 64, 10, {{30, true}, {10, true}, {10, false}}},  // product 1 starts inside a block
+        {9, 64, 4, {{8, true}, {4, true}, {4, false}}},
+        {1, 64, 2, {{6, false}, {5, false}, {4, true}}},  // RoPE from row 11: not a pair of one block
+        {1, 128, 32, {{256, false}}},                        // the classifier
+    };
+    for (const Case& k : cases) {
+      CAPTURE(k.n); CAPTURE(k.d_in); CAPTURE(k.head_dim); CAPTURE(k.outs.size());
+      const std::vector<float> x = random_vector(std::size_t(k.n) * k.d_in, gen, 2.0f), g = random_vector(k.d_in, gen);
+      std::vector<float> table(std::size_t(k.n) * k.head_dim);
+      cpu.rope_table(table.data(), consecutive_positions(cpu, 1000, k.n).data(), k.n, k.head_dim);
+      Buffer d_x = test::to_backend(b, x), d_g = test::to_backend(b, g), d_table = test::to_backend(b, table);
+      Buffer d_normed(b, x.size());
+      std::vector<std::vector<float>> want;
+      std::vector<Buffer> got;
+      std::vector<Backend::Product> cpu_products, products;
+      for (const Out& o : k.outs) {
+        const std::vector<float> w = random_vector(std::size_t(o.d_out) * k.d_in, gen);
+        want.emplace_back(std::size_t(k.n) * o.d_out);
+        got.emplace_back(b, want.back().size());
+        cpu_products.push_back({want.back().data(), cpu.upload_matrix(w.data(), o.d_out, k.d_in), o.d_out,
+                                o.rope ? table.data() : nullptr});
+        products.push_back({got.back().data(), b.upload_matrix(w.data(), o.d_out, k.d_in), o.d_out,
+                            o.rope ? d_table.data() : nullptr});
+      }
+      std::vector<float> normed(x.size());
+      cpu.norm_products(normed.data(), x.data(), g.data(), k.n, k.d_in, k.head_dim, cpu_products);
+      b.norm_products(d_normed.data(), d_x.data(), d_g.data(), k.n, k.d_in, k.head_dim, products);
+      for (std::size_t i = 0; i < k.outs.size(); ++i) {
+        CAPTURE(i);
+        CHECK(worst_excess(test::from_backend(b, got[i]), want[i], 1e-4f) <= 0);
+      }
+    }
+
+    struct Shape {
+      int n, d_in, d_out;
+    };
+    for (const Shape s : {Shape{1, 128, 384}, Shape{4, 60, 13}, Shape{8, 516, 7}, Shape{3, 33, 10}, Shape{9, 64, 16}}) {
+      CAPTURE(s.n); CAPTURE(s.d_in); CAPTURE(s.d_out);
+      const std::vector<float> x = random_vector(std::size_t(s.n) * s.d_in, gen, 2.0f), g = random_vector(s.d_in, gen);
+      // Weights of a trained layer's scale (1/sqrt(d_in)): gate and up of order 1, so their product's rounding
+      // stays within the products' tolerance (at scale 1 both are ~sqrt(d_in) and so is its relative error).
+      const float scale = 1.0f / std::sqrt(float(s.d_in));
+      const std::vector<float> w1 = random_vector(std::size_t(s.d_out) * s.d_in, gen, scale),
+                               w3 = random_vector(std::size_t(s.d_out) * s.d_in, gen, scale);
+      std::vector<float> gate(std::size_t(s.n) * s.d_out), up(gate.size()), normed(x.size());
+      cpu.norm_swiglu(gate.data(), up.data(), normed.data(), x.data(), g.data(), cpu.upload_matrix(w1.data(), s.d_out, s.d_in),
+                      cpu.upload_matrix(w3.data(), s.d_out, s.d_in), s.n, s.d_in, s.d_out);
+      Buffer d_x = test::to_backend(b, x), d_g = test::to_backend(b, g), d_gate(b, gate.size()), d_up(b, gate.size()),
+             d_normed(b, x.size());
+      b.norm_swiglu(d_gate.data(), d_up.data(), d_normed.data(), d_x.data(), d_g.data(),
+                    b.upload_matrix(w1.data(), s.d_out, s.d_in), b.upload_matrix(w3.data(), s.d_out, s.d_in), s.n, s.d_in,
+                    s.d_out);
+      CHECK(worst_excess(test::from_backend(b, d_gate), gate, 1e-4f) <= 0);
+    }
+    for (const Shape s : {Shape{1, 384, 128}, Shape{2, 33, 9}, Shape{8, 516, 130}, Shape{9, 64, 8}}) {
+      CAPTURE(s.n); CAPTURE(s.d_in); CAPTURE(s.d_out);
+      const std::vector<float> in = random_vector(std::size_t(s.n) * s.d_in, gen), w = random_vector(std::size_t(s.d_out) * s.d_in, gen);
+      std::vector<float> x = random_vector(std::size_t(s.n) * s.d_out, gen), product(x.size());
+      Buffer d_in = test::to_backend(b, in), d_x = test::to_backend(b, x), d_product(b, x.size());
+      cpu.matmul_add(x.data(), product.data(), in.data(), cpu.upload_matrix(w.data(), s.d_out, s.d_in), s.n, s.d_in, s.d_out);
+      b.matmul_add(d_x.data(), d_product.data(), d_in.data(), b.upload_matrix(w.data(), s.d_out, s.d_in), s.n, s.d_in, s.d_out);
+      CHECK(worst_excess(test::from_backend(b, d_x), x, 1e-4f) <= 0);
+    }
+  });
+}
+
 TEST_CASE("cuda kernels: RoPE tables and rotations equal the CPU backend, positions past 2^16 included") {
   CpuBackend cpu(1);
   std::mt19937 gen(9);

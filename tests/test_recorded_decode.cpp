@@ -68,6 +68,32 @@ TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on
   if (!any) MESSAGE("no backend in this build can record (the CUDA harness is not built): nothing replayed");
 }
 
+// What a recorded step holds, counted: the fused operations (backend.h) are one kernel each for a decode step
+// on the CUDA backend, so a layer is its q/k/v products (norm and RoPE fused in), two cache writes, attention
+// and its merge (a view of more than 64 rows is split in chunks), the output product with its residual add,
+// the gate and up products with SwiGLU, and the down product with its add: 8 launches; and the step adds the
+// embedding, the RoPE table and the classifier. A fused operation that fell back to its definition (a norm,
+// products, RoPE, SwiGLU or an add apart) adds launches and fails this.
+TEST_CASE("recorded decoding: a decode step of the shipped model is 8 launches per layer and 3 more") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  bool any = false;
+  for (const std::string& name : test::test_backend_names()) {
+    auto backend = test::make_test_backend(name);
+    if (!backend->can_record()) continue;
+    any = true;
+    CAPTURE(name);
+    const int positions = 100;
+    Model model(checkpoint, *backend, positions, positions);
+    ch03::PreallocatedKvCache cache(*backend, checkpoint.config(), positions);
+    const std::vector<int> prompt = encode_bytes("In the beginning");
+    model.forward(prompt, 0, &cache);
+    RecordedDecode steps(model, cache);
+    steps.step(prompt.back(), static_cast<int>(prompt.size()));
+    CHECK(backend->recorded_launches() == 8 * checkpoint.config().n_layers + 3);
+  }
+  if (!any) MESSAGE("no backend here can record (the CUDA harness is not built): nothing to count");
+}
+
 TEST_CASE("recorded decoding: refused, with the reason, where it cannot work") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   const std::vector<int> prompt = encode_bytes("In the beginning");

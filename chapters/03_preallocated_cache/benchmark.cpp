@@ -170,7 +170,7 @@ int main(int argc, char** argv) {
       kvs::CsvWriter breakdown_csv({"--csv", options.csv},
                                    "prompt_tokens,step_ms_mean,step_ms_p50,step_ms_p99,matmul_ms,attention_ms,other_ms,"
                                    "weight_bytes,kv_bytes,achieved_gbs,limit_gbs,threads,operations,graph_ms_p50,"
-                                   "prefill_ms,prefill_gflops,peak_gflops", inputs);
+                                   "prefill_ms,prefill_gflops,peak_gflops,graph_launches", inputs);
       kvs::ch03::decode_breakdown(rt, all_tokens, lengths, options.max_new_tokens, breakdown_csv);
       if (breakdown_csv.enabled()) std::cerr << "wrote " << breakdown_csv.path() << "\n";
       return 0;

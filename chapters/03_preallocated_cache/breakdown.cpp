@@ -114,9 +114,12 @@ void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vecto
                rt.backend.describe().c_str(), new_tokens - 1,
                host ? "this machine's read bandwidth for a working set of that size (measured now)"
                     : "the device's copy bandwidth (read + write) for a working set of that size (measured now)");
-  if (graph) std::fprintf(stderr, "graph p50: the step replayed as one recorded launch (RecordedDecode)\n");
+  if (graph)
+    std::fprintf(stderr, "graph p50: the step replayed as one recorded launch (RecordedDecode), its bytes read against the\n"
+                         "same limit, the launches (kernels and copies) it holds and its time per launch\n");
   std::fprintf(stderr, "\n  %7s %8s %8s %8s %8s %9s %8s %5s %10s %9s %9s %8s%s\n", "context", "step", "p50", "p99", "matmul",
-               "attention", "other", "ops", "MB read", "GB/s", "limit", "of limit", graph ? "  graph p50" : "");
+               "attention", "other", "ops", "MB read", "GB/s", "limit", "of limit",
+               graph ? "  graph p50  of limit  launches  us/launch" : "");
   // One cache per backend serves every run (each starts again at position 0), its pages written once by the
   // warm-up below: a fresh cache per run made the operating system back a new page of every layer's keys and
   // values every 4 KiB of rows (chapter 03: pages are backed when first written), and those steps, one in
@@ -161,14 +164,18 @@ void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vecto
     const double achieved = bytes.total() / (mean / 1000) / 1e9;
     const double limit = host ? measure_read_gbs(bytes.total(), threads) : measure_copy_gbs(rt.backend, bytes.total());
     const double graph_p50 = graph ? run(rt.model, plain_cache, prompt_len, DecodeSteps::kRecorded).decode_percentile_ms(50) : 0;
+    const int launches = graph ? rt.backend.recorded_launches() : 0;
+    // The graph's step at its median, against the same limit (its bytes: this length's, +steps/2 as above).
+    const double graph_share = graph ? 100 * bytes.total() / (graph_p50 / 1000) / 1e9 / limit : 0;
     std::fprintf(stderr, "  %7d %8.4f %8.4f %8.4f %8.4f %9.4f %8.4f %5lld %10.2f %9.1f %9.1f %7.0f%%", prompt_len, mean,
                  g.decode_percentile_ms(50), g.decode_percentile_ms(99), matmul, attention, other,
                  static_cast<long long>(operations / steps), bytes.total() / 1e6, achieved, limit, 100 * achieved / limit);
-    if (graph) std::fprintf(stderr, "  %9.4f", graph_p50);
+    if (graph)
+      std::fprintf(stderr, "  %9.4f %8.0f%% %9d %10.2f", graph_p50, graph_share, launches, 1000 * graph_p50 / launches);
     std::fprintf(stderr, "\n");
     csv.row(prompt_len, mean, g.decode_percentile_ms(50), g.decode_percentile_ms(99), matmul, attention, other,
             bytes.weights, bytes.kv, achieved, limit, threads, operations / steps, graph_p50, g.ttft_ms(),
-            prefill_flops(c, prompt_len) / 1e9 / (g.ttft_ms() / 1000), peak);
+            prefill_flops(c, prompt_len) / 1e9 / (g.ttft_ms() / 1000), peak, launches);
     csv.commit();
   }
   std::fprintf(stderr, "\nprefill (time to first token, from the same runs): its floating-point work against this\n"

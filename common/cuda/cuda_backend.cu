@@ -8,6 +8,7 @@
 // of 32.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -381,6 +382,200 @@ __global__ void attention_merge_kernel(float* out, const float* partials, int sp
   }
 }
 
+// ---- products for a few tokens (decode): the fused operations of backend.h, one kernel each ----
+// out (n, d_out) = x (n, d_in) · wᵀ for n <= kGemvTokens, every weight read once for all n tokens. A decode
+// step is weight reads: cuBLAS's product with one row of activations ran at ~1.1 TB/s on an H100, and a
+// layer took 17 launches, 10 of them tiny kernels between the products (book 07). Here a block computes
+// kGemvRows output rows for every token; its warps (enough for d_in, up to kGemvWarps) split d_in, each lane loading kWidth
+// consecutive floats of each of the block's weight rows (kWidth = 4: 16-byte loads, the widest one thread
+// can issue), the rows' loads independent and in flight together. What the fused operations add rides on
+// those loads instead of costing a launch and a pass of its own:
+//   - the norm: norm(x) · w = inv_rms · Σ (x ⊙ g) w, and the lanes that read x for the products sum x² too;
+//   - RoPE: rows 2i and 2i+1 of a head are one block's rows, rotated together before they are stored;
+//   - SwiGLU: the block computes the same rows of w1 and w3 and stores silu(a) ⊙ b;
+//   - the residual add: out += instead of out =.
+// Up to kGemvMaxProducts products of one input share a launch (attention's q, k and v: one launch of 3072
+// rows instead of three, two of them too small to fill the GPU). Grid (ceil(rows / kGemvRows)), block
+// kGemvWarps · 32.
+constexpr int kGemvTokens = 8;
+constexpr int kGemvRows = 4;  // even: a RoPE pair (rows 2i, 2i+1 of a product starting at an even row) stays in one block
+constexpr int kGemvWarps = 4;
+constexpr int kGemvMaxProducts = 3;
+
+enum class GemvStore { kSet, kAdd, kSwiglu };
+
+// A product of the launch: Backend::Product, with its first row among the launch's rows.
+struct GemvProduct {
+  float* out = nullptr;         // (n, d_out)
+  const float* w = nullptr;     // (d_out, d_in)
+  int d_out = 0;
+  const float* rope = nullptr;  // (n, head_dim/2, 2), or null
+  int first_row = 0;
+};
+struct GemvArgs {
+  const float* x = nullptr;            // (n, d_in)
+  const float* norm_weight = nullptr;  // (d_in), or null: x as it is
+  const float* up = nullptr;           // kSwiglu: w3 (d_out, d_in); products[0] holds w1 and the output
+  GemvProduct products[kGemvMaxProducts];
+  int count = 0, rows = 0;             // products, and their rows together
+  int n = 0, d_in = 0, head_dim = 0;
+};
+
+template <int kWidth>
+struct Floats {
+  float v[kWidth];
+};
+// kWidth floats from p (16-byte aligned when kWidth = 4).
+template <int kWidth>
+__device__ Floats<kWidth> load_floats(const float* p) {
+  Floats<kWidth> f;
+  if constexpr (kWidth == 4) {
+    const float4 q = *reinterpret_cast<const float4*>(p);
+    f.v[0] = q.x, f.v[1] = q.y, f.v[2] = q.z, f.v[3] = q.w;
+  } else {
+    for (int k = 0; k < kWidth; ++k) f.v[k] = p[k];
+  }
+  return f;
+}
+
+// The launch's row `row` (< a.rows): its product and its row there.
+__device__ void find_row(const GemvArgs& a, int row, GemvProduct& product, int& local) {
+  product = a.products[0];
+  KVS_UNROLL
+  for (int p = 1; p < kGemvMaxProducts; ++p)
+    if (p < a.count && row >= a.products[p].first_row) product = a.products[p];
+  local = row - product.first_row;
+}
+
+// Sums each of kValues values (a power of two) over the warp's 32 lanes, halving the values each lane keeps at
+// every step (a reduce-scatter): 31 shuffles for 32 values where a warp_sum each would take 160. Afterwards
+// lane l holds the sums of values l · kValues / 32 + i in values[i], i < max(1, kValues / 32) (for fewer than
+// 32 values, 32 / kValues lanes hold each sum).
+template <int kValues>
+__device__ void warp_sum_each(float (&values)[kValues]) {
+  const int lane = threadIdx.x % kWarp;
+  int count = kValues;
+  KVS_UNROLL
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    if (count == 1) {  // nothing left to halve: a plain sum
+      values[0] += __shfl_xor_sync(kFullMask, values[0], offset);
+      continue;
+    }
+    const int half = count / 2;
+    const bool upper = lane & offset;  // keeps the upper half of its values, sends its partner the lower
+    KVS_UNROLL
+    for (int i = 0; i < kValues / 2; ++i) {
+      if (i >= half) break;
+      const float send = upper ? values[i] : values[i + half], keep = upper ? values[i + half] : values[i];
+      values[i] = keep + __shfl_xor_sync(kFullMask, send, offset);
+    }
+    count = half;
+  }
+}
+
+// Warp 0's lanes hold the block's sums (warp_sum_each): into totals (kValues).
+template <int kValues>
+__device__ void store_sums(float* totals, const float (&values)[kValues]) {
+  const int lane = threadIdx.x % kWarp;
+  constexpr int kHeld = kValues >= kWarp ? kValues / kWarp : 1, kLanesPerSum = kValues >= kWarp ? 1 : kWarp / kValues;
+  if (lane % kLanesPerSum == 0)
+    for (int i = 0; i < kHeld; ++i) totals[lane * kValues / kWarp + i] = values[i];
+}
+
+template <int kTokens, int kWidth, GemvStore kStore>
+__global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_kernel(GemvArgs a) {
+  constexpr int kMatrices = kStore == GemvStore::kSwiglu ? 2 : 1;
+  constexpr int kValues = kMatrices * kGemvRows * kTokens;  // dot products
+  static_assert((kValues & (kValues - 1)) == 0 && (kTokens & (kTokens - 1)) == 0, "warp_sum_each halves powers of two");
+  __shared__ float lanes[kGemvWarps][kValues + kTokens][kWarp];  // each lane's partial sums (when warps > 1)
+  __shared__ float totals[kValues], square_totals[kTokens];       // the block's sums
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  const int first = blockIdx.x * kGemvRows;
+  const float* w_rows[kMatrices][kGemvRows];  // the block's weight rows (null past the last row)
+  KVS_UNROLL
+  for (int r = 0; r < kGemvRows; ++r) {
+    GemvProduct product;
+    int local = 0;
+    const bool inside = first + r < a.rows;
+    if (inside) find_row(a, first + r, product, local);
+    w_rows[0][r] = inside ? product.w + std::size_t(local) * a.d_in : nullptr;
+    if constexpr (kMatrices == 2) w_rows[1][r] = inside ? a.up + std::size_t(local) * a.d_in : nullptr;
+  }
+  float acc[kValues] = {}, square[kTokens] = {};  // acc[(m · kGemvRows + r) · kTokens + t]: matrix m, row r, token t
+  for (int c = threadIdx.x * kWidth; c < a.d_in; c += blockDim.x * kWidth) {
+    Floats<kWidth> w[kMatrices][kGemvRows];  // loaded first, all in flight before the first is used
+    KVS_UNROLL
+    for (int m = 0; m < kMatrices; ++m)
+      KVS_UNROLL
+      for (int r = 0; r < kGemvRows; ++r) w[m][r] = w_rows[m][r] ? load_floats<kWidth>(w_rows[m][r] + c) : Floats<kWidth>{};
+    Floats<kWidth> g;
+    if (a.norm_weight) g = load_floats<kWidth>(a.norm_weight + c);
+    KVS_UNROLL
+    for (int t = 0; t < kTokens; ++t) {
+      if (t >= a.n) break;
+      Floats<kWidth> x = load_floats<kWidth>(a.x + std::size_t(t) * a.d_in + c);
+      KVS_UNROLL
+      for (int k = 0; k < kWidth; ++k) {
+        square[t] += x.v[k] * x.v[k];
+        if (a.norm_weight) x.v[k] *= g.v[k];
+      }
+      KVS_UNROLL
+      for (int m = 0; m < kMatrices; ++m)
+        KVS_UNROLL
+        for (int r = 0; r < kGemvRows; ++r)
+          KVS_UNROLL
+          for (int k = 0; k < kWidth; ++k) acc[(m * kGemvRows + r) * kTokens + t] += w[m][r].v[k] * x.v[k];
+    }
+  }
+  // The block's sums: the warps' partial sums added through shared memory, then warp 0's lanes together.
+  if (warps > 1) {
+    KVS_UNROLL
+    for (int v = 0; v < kValues; ++v) lanes[warp][v][lane] = acc[v];
+    KVS_UNROLL
+    for (int t = 0; t < kTokens; ++t) lanes[warp][kValues + t][lane] = square[t];
+    __syncthreads();
+    if (warp == 0) {
+      for (int w = 1; w < warps; ++w) {
+        KVS_UNROLL
+        for (int v = 0; v < kValues; ++v) acc[v] += lanes[w][v][lane];
+        KVS_UNROLL
+        for (int t = 0; t < kTokens; ++t) square[t] += lanes[w][kValues + t][lane];
+      }
+    }
+  }
+  if (warp == 0) {
+    warp_sum_each(acc);
+    warp_sum_each(square);
+    store_sums(totals, acc);
+    store_sums(square_totals, square);
+  }
+  __syncthreads();
+
+  // Thread (r, t) of the first kGemvRows · kTokens finishes the block's row r for token t.
+  const int r = threadIdx.x / kTokens, t = threadIdx.x % kTokens;
+  if (r >= kGemvRows || t >= a.n || first + r >= a.rows) return;
+  // 1 / sqrt(mean(x²) + eps), as rmsnorm_kernel
+  const float inv_rms = a.norm_weight ? 1.0f / sqrtf(square_totals[t] / a.d_in + kRmsEps) : 1.0f;
+  auto value = [&](int m, int row) { return totals[(m * kGemvRows + row) * kTokens + t] * inv_rms; };
+  GemvProduct product;
+  int local = 0;
+  find_row(a, first + r, product, local);
+  float* out = product.out + std::size_t(t) * product.d_out + local;
+  if constexpr (kStore == GemvStore::kSwiglu) {
+    const float gate = value(0, r);
+    *out = gate / (1.0f + expf(-gate)) * value(1, r);  // as swiglu_kernel
+  } else if constexpr (kStore == GemvStore::kAdd) {
+    *out += value(0, r);
+  } else if (!product.rope) {
+    *out = value(0, r);
+  } else if (local % 2 == 0) {  // the pair's first row rotates and stores both (the launch checked r + 1 is its partner)
+    float pair[2] = {value(0, r), value(0, r + 1)};
+    const int pairs = a.head_dim / 2;
+    rope_rotate(pair, product.rope + (std::size_t(t) * pairs + (local % a.head_dim) / 2) * 2);
+    out[0] = pair[0], out[1] = pair[1];
+  }
+}
+
 // gate (count) = silu(gate) ⊙ up. Grid (min(ceil(count / 256), kMaxBlocks)), block 256, grid-stride loop.
 __global__ void swiglu_kernel(float* gate, const float* up, std::size_t count) {
   for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += std::size_t(gridDim.x) * blockDim.x) {
@@ -506,10 +701,14 @@ class CudaBackend final : public Backend {
     KVS_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
     if (graph_) KVS_CUDA_CHECK(cudaGraphExecDestroy(graph_));
     graph_ = nullptr;
+    std::size_t nodes = 0;
+    const cudaError_t counted = cudaGraphGetNodes(graph, nullptr, &nodes);
+    recorded_launches_ = counted == cudaSuccess ? static_cast<int>(nodes) : 0;
     const cudaError_t instantiated = cudaGraphInstantiate(&graph_, graph, 0);
     cudaGraphDestroy(graph);
     KVS_CUDA_CHECK(instantiated);
   }
+  int recorded_launches() const override { return recorded_launches_; }
   void replay(int recording) override {
     if (recording != recordings_ || !graph_)
       throw std::logic_error("replay: recording " + std::to_string(recording) + " is not the last one recorded");
@@ -577,6 +776,38 @@ class CudaBackend final : public Backend {
     KVS_LAUNCH(attention_kernel, dim3(shape.n_heads, n), dim3(warps * kWarp), 0, stream_, out, weights, q, positions,
                kv, shape.n_heads, group, shape.head_dim);
   }
+  // The fused operations (backend.h) as one gemv_kernel launch each for calls of up to kGemvTokens tokens;
+  // larger calls (prefill) take the definition: cuBLAS's products and the small kernels.
+  int fused_tokens() const override { return kGemvTokens; }
+  void norm_products(float* normed, const float* x, const float* norm_weight, int n, int d_in, int head_dim,
+                     std::span<const Product> products) override {
+    GemvArgs a = gemv_args(x, norm_weight, n, d_in, head_dim);
+    bool fits = n <= kGemvTokens && products.size() <= std::size_t(kGemvMaxProducts);
+    for (std::size_t p = 0; fits && p < products.size(); ++p) {
+      const Product& product = products[p];
+      // RoPE's pairs must be pairs of a block's rows: rows 2i, 2i+1 of whole heads, from an even row on.
+      if (product.rope && (a.rows % 2 != 0 || head_dim % 2 != 0 || product.d_out % head_dim != 0)) fits = false;
+      a.products[p] = GemvProduct{product.out, product.w, product.d_out, product.rope, a.rows};
+      a.rows += product.d_out;
+      a.count += 1;
+    }
+    if (!fits) return Backend::norm_products(normed, x, norm_weight, n, d_in, head_dim, products);
+    launch_gemv<GemvStore::kSet>(a);
+  }
+  void norm_swiglu(float* gate, float* up, float* normed, const float* x, const float* norm_weight, const float* w1,
+                   const float* w3, int n, int d_in, int hidden) override {
+    if (n > kGemvTokens) return Backend::norm_swiglu(gate, up, normed, x, norm_weight, w1, w3, n, d_in, hidden);
+    GemvArgs a = gemv_args(x, norm_weight, n, d_in, 0);
+    a.products[0] = GemvProduct{gate, w1, hidden}, a.up = w3, a.count = 1, a.rows = hidden;
+    launch_gemv<GemvStore::kSwiglu>(a);
+  }
+  void matmul_add(float* x, float* product, const float* in, const float* w, int n, int d_in, int d_out) override {
+    if (n > kGemvTokens) return Backend::matmul_add(x, product, in, w, n, d_in, d_out);
+    GemvArgs a = gemv_args(in, nullptr, n, d_in, 0);
+    a.products[0] = GemvProduct{x, w, d_out}, a.count = 1, a.rows = d_out;
+    launch_gemv<GemvStore::kAdd>(a);
+  }
+
   void write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
                   int width) override {
     KVS_LAUNCH(write_rows_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, row_stride,
@@ -593,6 +824,31 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  static GemvArgs gemv_args(const float* x, const float* norm_weight, int n, int d_in, int head_dim) {
+    GemvArgs a;
+    a.x = x, a.norm_weight = norm_weight, a.n = n, a.d_in = d_in, a.head_dim = head_dim;
+    return a;
+  }
+  // 16-byte loads where every row the kernel reads starts on 16 bytes; one float at a time otherwise.
+  template <GemvStore kStore>
+  void launch_gemv(const GemvArgs& a) {
+    bool aligned = a.d_in % 4 == 0 && aligned16(a.x) && aligned16(a.norm_weight) && aligned16(a.up);
+    for (int p = 0; p < a.count; ++p) aligned = aligned && aligned16(a.products[p].w);
+    if (aligned) launch_gemv_tokens<4, kStore>(a);
+    else launch_gemv_tokens<1, kStore>(a);
+  }
+  template <int kWidth, GemvStore kStore>
+  void launch_gemv_tokens(const GemvArgs& a) {  // the kernel's registers for the tokens the call has
+    // Warps enough for d_in (the shipped model's 128 floats are one warp's 16-byte loads), up to kGemvWarps.
+    const int warps = std::clamp((a.d_in + kWarp * kWidth - 1) / (kWarp * kWidth), 1, kGemvWarps);
+    const dim3 grid((a.rows + kGemvRows - 1) / kGemvRows), block(warps * kWarp);
+    if (a.n == 1) KVS_LAUNCH((gemv_kernel<1, kWidth, kStore>), grid, block, 0, stream_, a);
+    else if (a.n == 2) KVS_LAUNCH((gemv_kernel<2, kWidth, kStore>), grid, block, 0, stream_, a);
+    else if (a.n <= 4) KVS_LAUNCH((gemv_kernel<4, kWidth, kStore>), grid, block, 0, stream_, a);
+    else KVS_LAUNCH((gemv_kernel<kGemvTokens, kWidth, kStore>), grid, block, 0, stream_, a);
+  }
+  static bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
   void* allocate_bytes(std::size_t bytes) {
     void* p = nullptr;
     if (cudaMalloc(&p, std::max<std::size_t>(bytes, 1)) != cudaSuccess) {
@@ -609,6 +865,7 @@ class CudaBackend final : public Backend {
   std::vector<float*> weights_;
   cudaGraphExec_t graph_ = nullptr;
   int recordings_ = 0;
+  int recorded_launches_ = 0;
 };
 
 }  // namespace

@@ -51,6 +51,10 @@
 struct uint3 {
   unsigned x = 0, y = 0, z = 0;
 };
+// CUDA's 16-byte vector (a kernel's widest load is one of these, from a 16-byte aligned address).
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
 struct dim3 {
   unsigned x, y, z;
   constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
@@ -223,6 +227,9 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mo
 cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph);
 cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long flags = 0);
 cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream);
+struct CUgraphNode_st;
+using cudaGraphNode_t = CUgraphNode_st*;
+cudaError_t cudaGraphGetNodes(cudaGraph_t graph, cudaGraphNode_t* nodes, std::size_t* count);
 cudaError_t cudaGraphDestroy(cudaGraph_t graph);
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
 const char* cudaGetErrorString(cudaError_t error);

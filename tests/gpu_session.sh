@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# What a session lent a GPU runs in one call (book 07): build this tree and, for an A/B comparison, an older one;
+# the test suite with the GPU present; compute-sanitizer on the kernel tests; the breakdowns of both builds,
+# interleaved. Usage, from the repository root on the GPU machine:
+#   bash tests/gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]
+# STEPS: a comma-separated subset of build,test,sanitize,ab,transcripts (default: all but transcripts).
+# Header-only dependencies the machine lacks (Eigen, doctest) may be given as a prefix in .deps/ (CMake config
+# files included); a base tree (git archive of an older commit) as BASE_SOURCE_DIR.
+set -uo pipefail
+out=${1:?usage: gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]}
+base=${2:-}
+steps=${3:-build,test,sanitize,ab}
+mkdir -p "$out"
+has() { [[ ",$steps," == *",$1,"* ]]; }
+jobs=$(nproc)
+prefix=(); [[ -d .deps ]] && prefix=(-DCMAKE_PREFIX_PATH="$PWD/.deps")
+configure() {  # source dir, build dir
+  cmake -S "$1" -B "$2" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 -DKVS_CUDA=ON "${prefix[@]}" >"$out/configure_$(basename "$2").log" 2>&1
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+if has build; then
+  start=$SECONDS
+  configure . build/release && cmake --build build/release -j "$jobs" >"$out/build.log" 2>&1 &
+  if [[ -n $base ]]; then
+    (configure "$base" build/base && cmake --build build/base -j "$jobs" --target 03_benchmark kvs_cuda >"$out/build_base.log" 2>&1) &
+  fi
+  wait
+  echo "builds: $((SECONDS - start)) s"; tail -3 "$out/build.log"
+  [[ -x build/release/bin/03_benchmark ]] || { echo "build failed"; tail -30 "$out/build.log"; exit 1; }
+fi
+if has test; then
+  start=$SECONDS
+  (cd build/release && ctest -j "$jobs" -LE book --timeout 600 >"$out/ctest.log" 2>&1)
+  echo "ctest: $((SECONDS - start)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Skipped" "$out/ctest.log" | head -20
+fi
+if has sanitize; then
+  cases='cuda kernels:*,recorded decoding:*'
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 99 build/release/bin/kvs_tests -tc="$cases" >"$out/sanitizer_$tool.log" 2>&1
+    echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY' "$out/sanitizer_$tool.log") summaries: $(grep 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' '))"
+  done
+fi
+if has ab; then
+  shipped="--breakdown --lengths 32,512,1984 --max-new-tokens 64"
+  synthetic="--synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown --max-new-tokens 32"
+  builds=(gpu); [[ -x build/base/bin/03_benchmark ]] && builds=(base gpu)
+  for round in 1 2; do
+    for b in "${builds[@]}"; do
+      build/$b/bin/03_benchmark --backend cuda $shipped --csv "$out/shipped_${b}_$round.csv" >"$out/shipped_${b}_$round.log" 2>&1
+      build/$b/bin/03_benchmark --backend cuda $synthetic --lengths 512,4096 --csv "$out/synthetic_${b}_$round.csv" >"$out/synthetic_${b}_$round.log" 2>&1
+      echo "== round $round, $b"; grep -A4 "  context     step" "$out/shipped_${b}_$round.log" | tail -3
+      grep -A3 "  context     step" "$out/synthetic_${b}_$round.log" | tail -2
+    done
+  done
+  build/release/bin/03_benchmark --backend cpu --threads 1 $shipped --csv "$out/shipped_cpu1.csv" >"$out/shipped_cpu1.log" 2>&1
+  echo "== one CPU core"; grep -A4 "  context     step" "$out/shipped_cpu1.log" | tail -3
+fi
+if has transcripts; then
+  python3 book/transcripts.py --gpu-only book/07_the_same_cache_on_a_gpu.md >"$out/transcripts.log" 2>&1
+  echo "transcripts: exit $?"; tail -5 "$out/transcripts.log"; cp book/07_the_same_cache_on_a_gpu.md "$out/"
+fi
