@@ -43,7 +43,7 @@ fi
 if has ab; then
   shipped="--breakdown --lengths 32,512,1984 --max-new-tokens 64"
   synthetic="--synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown --max-new-tokens 32"
-  builds=(gpu); [[ -x build/base/bin/03_benchmark ]] && builds=(base gpu)
+  builds=(release); [[ -x build/base/bin/03_benchmark ]] && builds=(base release)
   for round in 1 2; do
     for b in "${builds[@]}"; do
       build/$b/bin/03_benchmark --backend cuda $shipped --csv "$out/shipped_${b}_$round.csv" >"$out/shipped_${b}_$round.log" 2>&1
