@@ -491,23 +491,20 @@ __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_kernel(GemvArgs a) {
   __shared__ float totals[kValues], square_totals[kTokens];       // the block's sums
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   const int first = blockIdx.x * kGemvRows;
-  const float* w_rows[kMatrices][kGemvRows];  // the block's weight rows (null past the last row)
+  // The block's weight rows; past the launch's last row, the last row again (read, never stored), so that
+  // every load below is unconditional.
+  const float* w_rows[kMatrices][kGemvRows];
   KVS_UNROLL
   for (int r = 0; r < kGemvRows; ++r) {
     GemvProduct product;
     int local = 0;
-    const bool inside = first + r < a.rows;
-    if (inside) find_row(a, first + r, product, local);
-    w_rows[0][r] = inside ? product.w + std::size_t(local) * a.d_in : nullptr;
-    if constexpr (kMatrices == 2) w_rows[1][r] = inside ? a.up + std::size_t(local) * a.d_in : nullptr;
+    find_row(a, first + r < a.rows ? first + r : a.rows - 1, product, local);
+    w_rows[0][r] = product.w + std::size_t(local) * a.d_in;
+    if constexpr (kMatrices == 2) w_rows[1][r] = a.up + std::size_t(local) * a.d_in;
   }
   float acc[kValues] = {}, square[kTokens] = {};  // acc[(m · kGemvRows + r) · kTokens + t]: matrix m, row r, token t
-  for (int c = threadIdx.x * kWidth; c < a.d_in; c += blockDim.x * kWidth) {
-    Floats<kWidth> w[kMatrices][kGemvRows];  // loaded first, all in flight before the first is used
-    KVS_UNROLL
-    for (int m = 0; m < kMatrices; ++m)
-      KVS_UNROLL
-      for (int r = 0; r < kGemvRows; ++r) w[m][r] = w_rows[m][r] ? load_floats<kWidth>(w_rows[m][r] + c) : Floats<kWidth>{};
+  // Columns [c, c + kWidth) of the block's rows, their weights w: into acc and square.
+  auto accumulate = [&](int c, const Floats<kWidth> (&w)[kMatrices][kGemvRows]) {
     Floats<kWidth> g;
     if (a.norm_weight) g = load_floats<kWidth>(a.norm_weight + c);
     KVS_UNROLL
@@ -526,6 +523,32 @@ __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_kernel(GemvArgs a) {
           KVS_UNROLL
           for (int k = 0; k < kWidth; ++k) acc[(m * kGemvRows + r) * kTokens + t] += w[m][r].v[k] * x.v[k];
     }
+  };
+  // The block's threads sweep d_in, kWidth columns each per sweep. kSweeps sweeps' weight loads are issued
+  // together before any is used: one sweep's loads at a time left each block waiting out a memory latency
+  // per sweep (a d_in of 2048 is 4 sweeps of 512 floats), and the GPU's bandwidth needs many bytes in flight.
+  // Fewer at once where the accumulators already take the registers.
+  constexpr int kSweeps = kMatrices * kTokens <= 2 ? 4 : kMatrices * kTokens <= 8 ? 2 : 1;
+  const int stride = blockDim.x * kWidth;
+  int c = threadIdx.x * kWidth;
+  for (; c + (kSweeps - 1) * stride < a.d_in; c += kSweeps * stride) {
+    Floats<kWidth> w[kSweeps][kMatrices][kGemvRows];
+    KVS_UNROLL
+    for (int s = 0; s < kSweeps; ++s)
+      KVS_UNROLL
+      for (int m = 0; m < kMatrices; ++m)
+        KVS_UNROLL
+        for (int r = 0; r < kGemvRows; ++r) w[s][m][r] = load_floats<kWidth>(w_rows[m][r] + c + s * stride);
+    KVS_UNROLL
+    for (int s = 0; s < kSweeps; ++s) accumulate(c + s * stride, w[s]);
+  }
+  for (; c < a.d_in; c += stride) {  // the last sweeps, one at a time
+    Floats<kWidth> w[kMatrices][kGemvRows];
+    KVS_UNROLL
+    for (int m = 0; m < kMatrices; ++m)
+      KVS_UNROLL
+      for (int r = 0; r < kGemvRows; ++r) w[m][r] = load_floats<kWidth>(w_rows[m][r] + c);
+    accumulate(c, w);
   }
   // The block's sums: the warps' partial sums added through shared memory, then warp 0's lanes together.
   if (warps > 1) {
