@@ -34,7 +34,7 @@ if has test; then
   echo "ctest: $((SECONDS - start)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Skipped" "$out/ctest.log" | head -20
 fi
 if has sanitize; then
-  cases='cuda kernels:*,recorded decoding:*'
+  cases=${SANITIZE_CASES:-'cuda kernels:*,recorded decoding:*'}
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --error-exitcode 99 build/release/bin/kvs_tests -tc="$cases" >"$out/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY' "$out/sanitizer_$tool.log") summaries: $(grep 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' '))"
@@ -44,18 +44,19 @@ if has ab; then
   shipped="--breakdown --lengths 32,512,1984 --max-new-tokens 64"
   synthetic="--synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown --max-new-tokens 32"
   builds=(release); [[ -x build/base/bin/03_benchmark ]] && builds=(base release)
-  for round in 1 2; do
+  for round in $(seq 1 "${AB_ROUNDS:-2}"); do
     for b in "${builds[@]}"; do
       build/$b/bin/03_benchmark --backend cuda $shipped --csv "$out/shipped_${b}_$round.csv" >"$out/shipped_${b}_$round.log" 2>&1
       build/$b/bin/03_benchmark --backend cuda $synthetic --lengths 512,4096 --csv "$out/synthetic_${b}_$round.csv" >"$out/synthetic_${b}_$round.log" 2>&1
-      echo "== round $round, $b"; grep -A4 "  context     step" "$out/shipped_${b}_$round.log" | tail -3
-      grep -A3 "  context     step" "$out/synthetic_${b}_$round.log" | tail -2
+      echo "== round $round, $b"; grep -A4 "  context     step" "$out/shipped_${b}_$round.log" | tail -4
+      grep -A3 "  context     step" "$out/synthetic_${b}_$round.log" | tail -3; grep -A3 "  context  prefill" "$out/synthetic_${b}_$round.log" | tail -2
     done
   done
   build/release/bin/03_benchmark --backend cpu --threads 1 $shipped --csv "$out/shipped_cpu1.csv" >"$out/shipped_cpu1.log" 2>&1
-  echo "== one CPU core"; grep -A4 "  context     step" "$out/shipped_cpu1.log" | tail -3
+  echo "== one CPU core"; grep -A4 "  context     step" "$out/shipped_cpu1.log" | tail -4
 fi
 if has transcripts; then
   python3 book/transcripts.py --gpu-only book/07_the_same_cache_on_a_gpu.md >"$out/transcripts.log" 2>&1
   echo "transcripts: exit $?"; tail -5 "$out/transcripts.log"; cp book/07_the_same_cache_on_a_gpu.md "$out/"
+  cp -r plots/data/gpu "$out/plots_data_gpu"
 fi

@@ -298,6 +298,17 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
     // Prefill: causal over the whole prompt, and a chunk after a cached prefix.
     check(gqa, consecutive(70, 0), false, 0, {}, 0, 70);
     check(mha, consecutive(257, 0), false, 0, {}, 193, 64);
+    // Prefill in tiles of 64 queries and 64 keys (attention_tiled_kernel): 130 queries (three tiles, the last
+    // of 2), head_dim 40 and 64 (padded to the kernel's 64); a whole buffer whose rows past the last query are
+    // unwritten (NaN) from inside a tile on; a window without sinks that hides whole tiles of keys from the
+    // first tiles of queries; a ring with a window and sinks, its empty slots NaN, several queries.
+    check(group5, consecutive(130, 0), false, 0, {}, 0, 130);
+    std::vector<int> prefilled = consecutive(300, 0);
+    std::fill(prefilled.begin() + 200, prefilled.end(), -1);
+    check(group8, prefilled, false, 0, {}, 100, 100);
+    check(mha, consecutive(400, 0), false, 0, Window{.size = 70, .sinks = 0}, 200, 130);
+    check(gqa, {0, 1, 2, 3, 140, 141, 142, 143, 144, 129, 130, 131, -1, -1, 132, 133}, true, 0,
+          Window{.size = 20, .sinks = 4}, 140, 5);
     // A view that starts past position 0, and a window with sinks over a contiguous view.
     check(mha, consecutive(40, 100), false, 100, {}, 120, 20);
     check(gqa, consecutive(257, 0), false, 0, Window{.size = 64, .sinks = 4}, 250, 7);

@@ -233,3 +233,9 @@ cudaError_t cudaGraphGetNodes(cudaGraph_t graph, cudaGraphNode_t* nodes, std::si
 cudaError_t cudaGraphDestroy(cudaGraph_t graph);
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
 const char* cudaGetErrorString(cudaError_t error);
+// A kernel's attributes (the dynamic shared memory it may ask for): the harness's shared memory has no limit.
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+template <class Kernel>
+cudaError_t cudaFuncSetAttribute(Kernel*, cudaFuncAttribute, int) {
+  return cudaSuccess;
+}
