@@ -22,19 +22,31 @@
 
 using namespace kvs;
 
-TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on every backend that can record") {
-  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
-  const std::vector<int> prompt = encode_bytes("And God said, Let there be");
+namespace {
+// Runs check(backend, name) on a fresh backend of each name this build and machine have that can record;
+// says so when none can (the CUDA harness not built, no GPU).
+template <typename Check>
+void for_each_recording_backend(Check&& check) {
   bool any = false;
   for (const std::string& name : test::test_backend_names()) {
     auto backend = test::make_test_backend(name);
     if (!backend->can_record()) continue;
     any = true;
     CAPTURE(name);
+    check(*backend, name);
+  }
+  if (!any) MESSAGE("no backend in this build can record (the CUDA harness is not built): nothing to record");
+}
+}  // namespace
+
+TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on every backend that can record") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const std::vector<int> prompt = encode_bytes("And God said, Let there be");
+  for_each_recording_backend([&](Backend& backend, const std::string& name) {
     // Through the harness every CUDA thread is a fiber: a few dozen steps; on a GPU, 200.
     const int new_tokens = name == "cuda" ? 200 : 24;
     const int positions = static_cast<int>(prompt.size()) + new_tokens;
-    Model model(checkpoint, *backend, positions, positions);
+    Model model(checkpoint, backend, positions, positions);
     // Chapter 03's cache, and chapter 04's ring in both position variants: a window of 16 with 4 sinks,
     // which the text wraps many times (prefill in chunks of 8: the ring holds 16 + 8 - 1 slots).
     const Window window{16, 4};
@@ -42,9 +54,9 @@ TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on
       CAPTURE(kind);
       auto make_cache = [&]() -> std::unique_ptr<KvCache> {
         const std::string k = kind;
-        if (k == "preallocated") return std::make_unique<ch03::PreallocatedKvCache>(*backend, checkpoint.config(), positions);
+        if (k == "preallocated") return std::make_unique<ch03::PreallocatedKvCache>(backend, checkpoint.config(), positions);
         return std::make_unique<ch04::SlidingWindowKvCache>(
-            *backend, checkpoint.config(), window, 8,
+            backend, checkpoint.config(), window, 8,
             k == "ring, absolute positions" ? ch04::KeyPositions::kAbsolute : ch04::KeyPositions::kWithinWindow);
       };
       auto run = [&](DecodeSteps steps) {
@@ -64,8 +76,7 @@ TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on
       if (name == "cuda") CHECK(e.worst_logit_difference <= kLogitTolerance);
       else CHECK(e.worst_logit_difference == 0.0f);
     }
-  }
-  if (!any) MESSAGE("no backend in this build can record (the CUDA harness is not built): nothing replayed");
+  });
 }
 
 // What a recorded step holds, counted: the fused operations (backend.h) are one kernel each for a decode step
@@ -76,22 +87,16 @@ TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on
 // products, RoPE, SwiGLU or an add apart) adds launches and fails this.
 TEST_CASE("recorded decoding: a decode step of the shipped model is 8 launches per layer and 3 more") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
-  bool any = false;
-  for (const std::string& name : test::test_backend_names()) {
-    auto backend = test::make_test_backend(name);
-    if (!backend->can_record()) continue;
-    any = true;
-    CAPTURE(name);
+  for_each_recording_backend([&](Backend& backend, const std::string&) {
     const int positions = 100;
-    Model model(checkpoint, *backend, positions, positions);
-    ch03::PreallocatedKvCache cache(*backend, checkpoint.config(), positions);
+    Model model(checkpoint, backend, positions, positions);
+    ch03::PreallocatedKvCache cache(backend, checkpoint.config(), positions);
     const std::vector<int> prompt = encode_bytes("In the beginning");
     model.forward(prompt, 0, &cache);
     RecordedDecode steps(model, cache);
     steps.step(prompt.back(), static_cast<int>(prompt.size()));
-    CHECK(backend->recorded_launches() == 8 * checkpoint.config().n_layers + 3);
-  }
-  if (!any) MESSAGE("no backend here can record (the CUDA harness is not built): nothing to count");
+    CHECK(backend.recorded_launches() == 8 * checkpoint.config().n_layers + 3);
+  });
 }
 
 TEST_CASE("recorded decoding: refused, with the reason, where it cannot work") {
