@@ -283,8 +283,8 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
 constexpr int kTile = 64;
 constexpr int kTileSide = 16;                   // threads per side of the grid
 constexpr int kTilePer = kTile / kTileSide;     // query rows and key columns per thread
-constexpr int kTiledMaxHeadDim = 128;           // larger heads take attention_kernel (shared memory)
-
+// Bytes of shared memory a block needs for heads of head_dim (rounded up as the kernel is compiled). Heads up
+// to 128 take this kernel where the device has that much (CudaBackend's constructor); others attention_kernel.
 constexpr std::size_t attention_tiled_shared_bytes(int head_dim) {
   // q and k tiles padded by a float a row (bank spread), v, and p (kTile, kTile + 1)
   return sizeof(float) * (2 * std::size_t(kTile) * (head_dim + 1) + std::size_t(kTile) * head_dim + std::size_t(kTile) * (kTile + 1));
@@ -788,11 +788,22 @@ cudaStream_t new_stream() {
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(std::string name) : name_(std::move(name)), stream_(new_stream()), blas_(stream_) {
-    // The tiled prefill attention's shared memory is over the 48 KB a kernel gets without asking.
-    KVS_CUDA_CHECK(cudaFuncSetAttribute(attention_tiled_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(attention_tiled_shared_bytes(64))));
-    KVS_CUDA_CHECK(cudaFuncSetAttribute(attention_tiled_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(attention_tiled_shared_bytes(128))));
+    // The tiled prefill attention's shared memory is over the 48 KB a kernel gets without asking, for heads
+    // over 32: asked for where the device has it (A100, H100: 163 and 227 KB a block), else those heads keep
+    // attention_kernel (a GPU with 99 KB, such as many laptops', tiles heads up to 64).
+    int device = 0, shared_limit = 0;
+    KVS_CUDA_CHECK(cudaGetDevice(&device));
+    KVS_CUDA_CHECK(cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if (std::size_t(shared_limit) >= attention_tiled_shared_bytes(64)) {
+      KVS_CUDA_CHECK(cudaFuncSetAttribute(attention_tiled_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(attention_tiled_shared_bytes(64))));
+      tiled_max_head_dim_ = 64;
+    }
+    if (std::size_t(shared_limit) >= attention_tiled_shared_bytes(128)) {
+      KVS_CUDA_CHECK(cudaFuncSetAttribute(attention_tiled_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(attention_tiled_shared_bytes(128))));
+      tiled_max_head_dim_ = 128;
+    }
   }
   ~CudaBackend() override {
     if (graph_) cudaGraphExecDestroy(graph_);
@@ -936,7 +947,7 @@ class CudaBackend final : public Backend {
       return;
     }
     // Prefill in tiles, where the view is rotated already and the head fits the tiles' shared memory.
-    if (!weights && !kv.read_rope && shape.head_dim <= kTiledMaxHeadDim) {
+    if (!weights && !kv.read_rope && shape.head_dim <= tiled_max_head_dim_) {
       const dim3 grid(shape.n_heads, (n + kTile - 1) / kTile), block(kTileSide * kTileSide);
       if (shape.head_dim <= 32)
         KVS_LAUNCH(attention_tiled_kernel<32>, grid, block, attention_tiled_shared_bytes(32), stream_, out, q, positions,
@@ -949,7 +960,7 @@ class CudaBackend final : public Backend {
                    positions, n, kv, shape.n_heads, group, shape.head_dim);
       return;
     }
-    // Prefill otherwise (a block per query and head: 4 warps each: read-time rotation, heads over 128) and an
+    // Prefill otherwise (a block per query and head: 4 warps each: read-time rotation, larger heads) and an
     // observed step (one block per head: more warps share the rows, one per 64 rows, up to 16).
     const int warps = n == 1 ? std::clamp(kv.rows / 64, 1, kMaxAttentionWarps) : 4;
     KVS_LAUNCH(attention_kernel, dim3(shape.n_heads, n), dim3(warps * kWarp), 0, stream_, out, weights, q, positions,
@@ -1045,6 +1056,7 @@ class CudaBackend final : public Backend {
   cudaGraphExec_t graph_ = nullptr;
   int recordings_ = 0;
   int recorded_launches_ = 0;
+  int tiled_max_head_dim_ = 32;  // the largest head the tiled prefill attention takes on this device
 };
 
 }  // namespace

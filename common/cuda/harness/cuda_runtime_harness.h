@@ -233,7 +233,17 @@ cudaError_t cudaGraphGetNodes(cudaGraph_t graph, cudaGraphNode_t* nodes, std::si
 cudaError_t cudaGraphDestroy(cudaGraph_t graph);
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
 const char* cudaGetErrorString(cudaError_t error);
-// A kernel's attributes (the dynamic shared memory it may ask for): the harness's shared memory has no limit.
+// The device's attributes the backend asks for: the harness's shared memory has no limit; it says an H100's.
+enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
+inline cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) {
+  *value = 227 * 1024;
+  return cudaSuccess;
+}
+// A kernel's attributes (the dynamic shared memory it may ask for).
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 template <class Kernel>
 cudaError_t cudaFuncSetAttribute(Kernel*, cudaFuncAttribute, int) {
