@@ -58,6 +58,13 @@ __device__ float block_sum(float v) {
   return total;
 }
 
+// 1 / sqrt(mean(x²) + eps) of a row of `dim` floats whose squares sum to sum_of_squares: RMSNorm's scale, for
+// rmsnorm_kernel and the norm gemv_kernel folds into its products.
+__device__ float inverse_rms(float sum_of_squares, int dim) { return 1.0f / sqrtf(sum_of_squares / dim + kRmsEps); }
+
+// silu(gate) ⊙ up for one element: swiglu_kernel's, and gemv_kernel's when it fuses SwiGLU.
+__device__ float swiglu_of(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
+
 // x (n, dim) = table[tokens[i]] rows. Grid (n), block 256: block i copies row i, its threads stride over dim.
 __global__ void embed_kernel(float* x, const float* table, const int* tokens, int dim) {
   const std::size_t i = blockIdx.x;
@@ -71,7 +78,7 @@ __global__ void rmsnorm_kernel(float* out, const float* x, const float* weight, 
   const std::size_t row = std::size_t(blockIdx.x) * dim;
   float squares = 0.0f;
   for (int d = threadIdx.x; d < dim; d += blockDim.x) squares += x[row + d] * x[row + d];
-  const float inv_rms = 1.0f / sqrtf(block_sum(squares) / dim + kRmsEps);
+  const float inv_rms = inverse_rms(block_sum(squares), dim);
   for (int d = threadIdx.x; d < dim; d += blockDim.x) out[row + d] = x[row + d] * inv_rms * weight[d];
 }
 
@@ -286,8 +293,9 @@ constexpr int kTilePer = kTile / kTileSide;     // query rows and key columns pe
 // Bytes of shared memory a block needs for heads of head_dim (rounded up as the kernel is compiled). Heads up
 // to 128 take this kernel where the device has that much (CudaBackend's constructor); others attention_kernel.
 constexpr std::size_t attention_tiled_shared_bytes(int head_dim) {
-  // q and k tiles padded by a float a row (bank spread), v, and p (kTile, kTile + 1)
-  return sizeof(float) * (2 * std::size_t(kTile) * (head_dim + 1) + std::size_t(kTile) * head_dim + std::size_t(kTile) * (kTile + 1));
+  // q and k tiles padded by a float a row (bank spread), v, p (kTile, kTile + 1), and the key tile's positions
+  return sizeof(float) * (2 * std::size_t(kTile) * (head_dim + 1) + std::size_t(kTile) * head_dim + std::size_t(kTile) * (kTile + 1)) +
+         sizeof(int) * kTile;
 }
 
 template <int kHeadDim>  // head_dim rounded up to 32, 64 or 128; the columns past head_dim hold zeros
@@ -300,6 +308,7 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
   float* k_tile = q_tile + kTile * kPadded;   // (kTile, kPadded)
   float* v_tile = k_tile + kTile * kPadded;   // (kTile, kHeadDim)
   float* p_tile = v_tile + kTile * kHeadDim;  // (kTile, kTile + 1): this tile's softmax numerators
+  int* tile_positions = reinterpret_cast<int*>(p_tile + kTile * (kTile + 1));  // (kTile): the key tile's positions
   const int h = blockIdx.x, first = blockIdx.y * kTile, tx = threadIdx.x % kTileSide, ty = threadIdx.x / kTileSide;
   const int dim = n_heads * head_dim, kv_offset = (h / group) * head_dim;
   const int last = (first + kTile < n ? first + kTile : n) - 1;  // the block's last query
@@ -323,21 +332,20 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
   if (kv.visible_rows(first_pos, first_begin, first_end) && kv.visible_rows(last_pos, last_begin, end)) begin = first_begin;
 
   for (int tile = begin; tile < end; tile += kTile) {
-    __syncthreads();  // the last tile's k, v and p are used up (and, the first time, q_tile is written)
+    __syncthreads();  // the last tile's k, v, p and positions are used up (and, the first time, q_tile is written)
+    if (const int j = threadIdx.x; j < kTile) tile_positions[j] = tile + j < end ? kv.position_of(tile + j) : -1;
+    __syncthreads();
     for (int e = threadIdx.x; e < kTile * kHeadDim; e += blockDim.x) {
-      const int j = e / kHeadDim, d = e % kHeadDim, r = tile + j;
-      const int key_pos = r < end ? kv.position_of(r) : -1;
+      const int j = e / kHeadDim, d = e % kHeadDim;
+      const int key_pos = tile_positions[j];
       const bool read = key_pos >= 0 && key_pos <= last_pos && d < head_dim;  // a row some query may see
-      const std::size_t at = std::size_t(r) * kv.row_stride + kv_offset + d;
+      const std::size_t at = std::size_t(tile + j) * kv.row_stride + kv_offset + d;
       k_tile[j * kPadded + d] = read ? kv.keys[at] : 0.0f;
       v_tile[j * kHeadDim + d] = read ? kv.values[at] : 0.0f;
     }
     int key_pos[kTilePer];
     KVS_UNROLL
-    for (int j = 0; j < kTilePer; ++j) {
-      const int r = tile + tx + kTileSide * j;
-      key_pos[j] = r < end ? kv.position_of(r) : -1;
-    }
+    for (int j = 0; j < kTilePer; ++j) key_pos[j] = tile_positions[tx + kTileSide * j];
     __syncthreads();
     float score[kTilePer][kTilePer] = {};
     for (int d = 0; d < kHeadDim; ++d) {
@@ -713,16 +721,14 @@ __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_kernel(GemvArgs a) {
   // Thread (r, t) of the first kGemvRows · kTokens finishes the block's row r for token t.
   const int r = threadIdx.x / kTokens, t = threadIdx.x % kTokens;
   if (r >= kGemvRows || t >= a.n || first + r >= a.rows) return;
-  // 1 / sqrt(mean(x²) + eps), as rmsnorm_kernel
-  const float inv_rms = a.norm_weight ? 1.0f / sqrtf(square_totals[t] / a.d_in + kRmsEps) : 1.0f;
+  const float inv_rms = a.norm_weight ? inverse_rms(square_totals[t], a.d_in) : 1.0f;
   auto value = [&](int m, int row) { return totals[(m * kGemvRows + row) * kTokens + t] * inv_rms; };
   GemvProduct product;
   int local = 0;
   find_row(a, first + r, product, local);
   float* out = product.out + std::size_t(t) * product.d_out + local;
   if constexpr (kStore == GemvStore::kSwiglu) {
-    const float gate = value(0, r);
-    *out = gate / (1.0f + expf(-gate)) * value(1, r);  // as swiglu_kernel
+    *out = swiglu_of(value(0, r), value(1, r));
   } else if constexpr (kStore == GemvStore::kAdd) {
     *out += value(0, r);
   } else if (!product.rope) {
@@ -738,8 +744,7 @@ __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_kernel(GemvArgs a) {
 // gate (count) = silu(gate) ⊙ up. Grid (min(ceil(count / 256), kMaxBlocks)), block 256, grid-stride loop.
 __global__ void swiglu_kernel(float* gate, const float* up, std::size_t count) {
   for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += std::size_t(gridDim.x) * blockDim.x) {
-    const float g = gate[i];
-    gate[i] = g / (1.0f + expf(-g)) * up[i];
+    gate[i] = swiglu_of(gate[i], up[i]);
   }
 }
 
