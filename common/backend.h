@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "block_table.h"
 #include "kv_cache.h"
 #include "ring.h"
 
@@ -110,6 +111,10 @@ class Backend {
   // slot_positions[ring.write_slot(positions[i])] = positions[i] for i < n: which position each slot of a ring
   // holds (a KvView's row_positions), kept in backend memory by the same arithmetic as write_rows.
   virtual void write_positions(int* slot_positions, const int* positions, Ring ring, int n) = 0;
+  // rows[table.physical_row(positions[i])] = src[i] (n, width): a paged cache's write (chapter 08,
+  // block_table.h), the table's blocks in backend memory; rows row_stride floats apart from `rows`, the pool.
+  virtual void write_paged_rows(float* rows, int row_stride, const int* positions, BlockTable table, const float* src,
+                                int n, int width) = 0;
   // gate (count) = silu(gate) ⊙ up
   virtual void swiglu(float* gate, const float* up, std::size_t count) = 0;
   // x (count) += y

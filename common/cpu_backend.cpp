@@ -88,13 +88,11 @@ void attend_one_query(float* __restrict out, const float* q, const KvView& kv, i
   constexpr int head_dim = kPackets * kLanes;
   const int rows = end - begin;
   const std::size_t stride = kv.row_stride;
-  const float* keys = kv.keys + begin * stride;      // (rows, stride): row r holds view row begin + r
-  const float* values = kv.values + begin * stride;  // (rows, stride)
 
-  // 1. scores of rows r .. r + n - 1
-  auto score_rows = [&]<int n>(int r, std::integral_constant<int, n>) {
+  // 1. scores of rows r .. r + n - 1, whose keys start at `keys` (row r + j at j · stride)
+  auto score_rows = [&]<int n>(const float* keys, int r, std::integral_constant<int, n>) {
     for (int c = c0; c < c1; ++c) {
-      const float* key = keys + r * stride + c * head_dim;  // row r's key of KV head c; row r + j at j · stride
+      const float* key = keys + c * head_dim;  // row r's key of KV head c
       for (int h = c * group; h < (c + 1) * group; ++h) {
         const float* query = q + h * head_dim;
         Packet dot[n];
@@ -107,16 +105,10 @@ void attend_one_query(float* __restrict out, const float* q, const KvView& kv, i
       }
     }
   };
-  int r = 0;
-  for (; r + kRows <= rows; r += kRows) score_rows(r, std::integral_constant<int, kRows>{});
-  for (; r < rows; ++r) score_rows(r, std::integral_constant<int, 1>{});
-
-  for (int h = c0 * group; h < c1 * group && rows > 0; ++h) softmax(scratch + h * head_stride, rows, scale);  // 2. weights
-
-  // 3. out += the weighted values of rows r .. r + n - 1 (out: a few KB, stays in L1)
-  auto add_value_rows = [&]<int n>(int r, std::integral_constant<int, n>) {
+  // 3. out += the weighted values of rows r .. r + n - 1, whose values start at `values` (out: a few KB, stays in L1)
+  auto add_value_rows = [&]<int n>(const float* values, int r, std::integral_constant<int, n>) {
     for (int c = c0; c < c1; ++c) {
-      const float* value = values + r * stride + c * head_dim;
+      const float* value = values + c * head_dim;
       for (int h = c * group; h < (c + 1) * group; ++h) {
         Packet weight[n];
         for (int j = 0; j < n; ++j) weight[j] = pset1<Packet>(scratch[h * head_stride + r + j]);
@@ -129,9 +121,22 @@ void attend_one_query(float* __restrict out, const float* q, const KvView& kv, i
       }
     }
   };
+  // Each sweep goes down the runs of rows stored stride apart (the whole range in a contiguous view; a block
+  // at a time in a paged one, KvView::run_end), kRows at a time within a run.
+  auto sweep = [&](const float* base, auto&& rows_at) {
+    for (int run = 0; run < rows;) {
+      const int run_stop = kv.run_end(begin + run, end) - begin;
+      const float* first = base + kv.row_offset(begin + run);
+      int r = run;
+      for (; r + kRows <= run_stop; r += kRows) rows_at(first + (r - run) * stride, r, std::integral_constant<int, kRows>{});
+      for (; r < run_stop; ++r) rows_at(first + (r - run) * stride, r, std::integral_constant<int, 1>{});
+      run = run_stop;
+    }
+  };
+  sweep(kv.keys, score_rows);
+  for (int h = c0 * group; h < c1 * group && rows > 0; ++h) softmax(scratch + h * head_stride, rows, scale);  // 2. weights
   std::fill(out + c0 * group * head_dim, out + c1 * group * head_dim, 0.0f);
-  for (r = 0; r + kRows <= rows; r += kRows) add_value_rows(r, std::integral_constant<int, kRows>{});
-  for (; r < rows; ++r) add_value_rows(r, std::integral_constant<int, 1>{});
+  sweep(kv.values, add_value_rows);
 }
 
 // attend_one_query for this head_dim, or null where head_dim is not 1, 2, 4 or 8 packets (the general path).
@@ -317,7 +322,7 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
         const int key_pos = kv.position_of(r);
         scores[r] = minus_inf;
         if (!key_visible(query_pos, key_pos, kv.window)) continue;
-        const float* key = kv.keys + std::size_t(r) * kv.row_stride + kv_head * head_dim;
+        const float* key = kv.keys + kv.row_offset(r) + kv_head * head_dim;
         const float* cos_sin = table + std::size_t(rotary_key_position(query_pos, key_pos, kv.window)) * pairs * 2;
         float dot = 0.0f;
         for (int p = 0; p < pairs; ++p) {
@@ -341,7 +346,7 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
         if (scores[r] == minus_inf) continue;  // never read: the row may hold anything
         const float weight = scores[r] / sum;
         if (observed) observed[r] = weight;
-        const float* value = kv.values + std::size_t(r) * kv.row_stride + kv_head * head_dim;
+        const float* value = kv.values + kv.row_offset(r) + kv_head * head_dim;
         for (int d = 0; d < head_dim; ++d) o[d] += weight * value[d];
       }
     }
@@ -361,16 +366,20 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
       int begin = 0, end = kv.rows_to_visit(last_query), first_end = 0, last_begin = 0;
       const bool runs = kv.visible_rows(first_query, begin, first_end) && kv.visible_rows(last_query, last_begin, end);
       const int rows = end - begin;
-      Eigen::Map<const RowMajor, 0, Strided> K(kv.keys + std::size_t(begin) * kv.row_stride + kv_head * head_dim, rows,
-                                               head_dim, Strided(kv.row_stride));
-      Eigen::Map<const RowMajor, 0, Strided> V(kv.values + std::size_t(begin) * kv.row_stride + kv_head * head_dim,
-                                               rows, head_dim, Strided(kv.row_stride));
+      // View rows [row, row + count) of this KV head's keys or values: (count, head_dim), rows row_stride apart.
+      auto rows_of = [&](const float* base, int row, int count) {
+        return Eigen::Map<const RowMajor, 0, Strided>(base + kv.row_offset(row) + kv_head * head_dim, count, head_dim,
+                                                      Strided(kv.row_stride));
+      };
       Eigen::Map<const RowMajor, 0, Strided> Q(q + std::size_t(q0) * dim + h * head_dim, nq, head_dim, Strided(dim));
       Eigen::Map<RowMajor, 0, Strided> O(out + std::size_t(q0) * dim + h * head_dim, nq, head_dim, Strided(dim));
       Eigen::Map<RowMajor> S(scores_mem, nq, rows);  // (nq, rows): row r of S is view row begin + r
       // The scale is applied to the visible scores below: folded into the product, it makes Eigen allocate
-      // a temporary for a single query, i.e. on every decode step.
-      S.noalias() = Q * K.transpose();
+      // a temporary for a single query, i.e. on every decode step. One product per run of rows stored
+      // row_stride apart: the whole range, or a block at a time in a paged view (KvView::run_end).
+      for (int run = begin; run < end; run = kv.run_end(run, end))
+        S.middleCols(run - begin, kv.run_end(run, end) - run).noalias() =
+            Q * rows_of(kv.keys, run, kv.run_end(run, end) - run).transpose();
       // A row that no query of the block may see (an empty slot, a row outside the window) must not enter
       // the product below, whatever its bytes. Checked at the block's first and last query: a row only a
       // middle query sees is flagged too, which costs the exact path below, never a wrong result.
@@ -406,8 +415,10 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
         for (int i = 0; i < nq; ++i) {
           observe_weights(weights + (std::size_t(q0 + i) * shape.n_heads + h) * kv.rows, kv.rows, S.row(i).data(), begin, rows);
         }
-      if (!unseen_row) {
-        O.noalias() = S * V;  // every row is seen by some query of the block: its bytes are real keys/values
+      if (!unseen_row) {  // every row is seen by some query of the block: its bytes are real keys/values
+        O.noalias() = S.leftCols(kv.run_end(begin, end) - begin) * rows_of(kv.values, begin, kv.run_end(begin, end) - begin);
+        for (int run = kv.run_end(begin, end); run < end; run = kv.run_end(run, end))
+          O.noalias() += S.middleCols(run - begin, kv.run_end(run, end) - run) * rows_of(kv.values, run, kv.run_end(run, end) - run);
         continue;
       }
       // Some rows hold nothing this block may read: a weight of 0 times a NaN in such a row would still be
@@ -416,7 +427,8 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
         O.row(i).setZero();
         const int query_pos = first_query + i;
         for (int r = 0; r < rows; ++r)
-          if (key_visible(query_pos, kv.position_of(r), kv.window)) O.row(i).noalias() += S(i, r) * V.row(r);
+          if (key_visible(query_pos, kv.position_of(begin + r), kv.window))
+            O.row(i).noalias() += S(i, r) * rows_of(kv.values, begin + r, 1).row(0);
       }
     }
   };
@@ -437,6 +449,13 @@ void CpuBackend::write_rows(float* rows, int row_stride, const int* positions, R
 
 void CpuBackend::write_positions(int* slot_positions, const int* positions, Ring ring, int n) {
   for (int i = 0; i < n; ++i) slot_positions[ring.write_slot(positions[i])] = positions[i];
+}
+
+void CpuBackend::write_paged_rows(float* rows, int row_stride, const int* positions, BlockTable table,
+                                  const float* src, int n, int width) {
+  for (int i = 0; i < n; ++i)
+    copy(rows + std::size_t(table.physical_row(positions[i])) * row_stride, src + std::size_t(i) * width,
+         std::size_t(width));
 }
 
 void CpuBackend::swiglu(float* gate, const float* up, std::size_t count) {

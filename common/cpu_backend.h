@@ -48,6 +48,8 @@ class CpuBackend final : public Backend {
   void write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
                   int width) override;
   void write_positions(int* slot_positions, const int* positions, Ring ring, int n) override;
+  void write_paged_rows(float* rows, int row_stride, const int* positions, BlockTable table, const float* src, int n,
+                        int width) override;
   void swiglu(float* gate, const float* up, std::size_t count) override;
   void add(float* x, const float* y, std::size_t count) override;
 

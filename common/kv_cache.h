@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "block_table.h"
 #include "host_device.h"
 #include "ring.h"
 
@@ -51,7 +52,9 @@ KVS_HOST_DEVICE inline int rotary_key_position(int query_pos, int key_pos, Windo
 }
 
 // The keys and values one layer may attend to: `rows` rows of kv_dim floats (n_kv_heads heads of
-// head_dim each), consecutive rows `row_stride` floats apart, in the backend's memory.
+// head_dim each), consecutive rows `row_stride` floats apart, in the backend's memory - or, in a paged view
+// (`paged.blocks` not null, chapter 08), row r at physical row paged.physical_row(r) of the pool that `keys`
+// and `values` start. Attention finds a row through row_offset(), whatever the layout.
 struct KvView {
   const float* keys = nullptr;    // (rows, row_stride), first kv_dim floats of a row used
   const float* values = nullptr;  // (rows, row_stride)
@@ -68,6 +71,17 @@ struct KvView {
   // Otherwise keys and queries are unrotated and attention rotates each by its rotary_*_position, with this
   // table of [cos, sin] for positions 0 .. window.size - 1: (window.size, head_dim/2, 2), backend memory.
   const float* read_rope = nullptr;
+  // Not null: a paged view (block_table.h); its table lives in backend memory like the rows.
+  BlockTable paged = BlockTable{};
+
+  // Floats from keys (or values) to the start of row r.
+  KVS_HOST_DEVICE std::size_t row_offset(int r) const {
+    return std::size_t(paged.blocks ? paged.physical_row(r) : r) * row_stride;
+  }
+  // The end of the run of rows from r on that lie row_stride floats apart, at most `end`: `end` itself in a
+  // contiguous view, the end of r's block in a paged one. A fast path that reads rows as a strided matrix
+  // reads one such run at a time.
+  KVS_HOST_DEVICE int run_end(int r, int end) const { return paged.blocks ? paged.run_end(r, end) : end; }
 
   KVS_HOST_DEVICE int position_of(int row) const {
     return row_positions ? row_positions[row] : first_position + row;

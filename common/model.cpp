@@ -1,5 +1,6 @@
 #include "model.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -81,6 +82,7 @@ Model::Model(const Checkpoint& checkpoint, Backend& backend, int max_tokens_per_
   step_ = IntBuffer(backend, size.step);
   host_step_.resize(size.step);
   host_logits_.resize(size.logits);
+  parts_.reserve(max_tokens_);  // a sequence brings at least one token
 }
 
 void Model::observe_attention(AttentionObserver* observer) {
@@ -94,41 +96,64 @@ void Model::observe_attention(AttentionObserver* observer) {
 }
 
 std::span<const float> Model::forward(std::span<const int> tokens, int pos, KvCache* cache, Logits which) {
-  KvCache& kv = load_step(tokens, pos, cache);
-  compute(static_cast<int>(tokens.size()), pos, kv, which);
-  return read_logits(static_cast<int>(tokens.size()), which);
+  const SequenceStep one[] = {{tokens, pos, cache ? cache : &call_local_}};
+  return forward(one, which);
 }
 
-KvCache& Model::load_step(std::span<const int> tokens, int pos, KvCache* cache) {
-  const int n = static_cast<int>(tokens.size());
-  if (n < 1 || n > max_tokens_)
-    throw std::invalid_argument("forward: " + std::to_string(n) + " tokens in one call; this model was set up for 1 to " +
+std::span<const float> Model::forward(std::span<const SequenceStep> batch, Logits which) {
+  const int n = load_step(batch);
+  compute(n, which);
+  return read_logits(which == Logits::kLastPosition ? static_cast<int>(parts_.size()) : n, which);
+}
+
+int Model::load_step(std::span<const SequenceStep> batch) {
+  if (batch.empty()) throw std::invalid_argument("forward: a batch of no sequences");
+  if (observer_ && batch.size() > 1)
+    throw std::invalid_argument("forward: an attention observer sees one sequence; detach it to run a batch");
+  std::size_t total = 0;
+  for (const SequenceStep& s : batch) total += s.tokens.size();
+  if (total < 1 || total > std::size_t(max_tokens_))
+    throw std::invalid_argument("forward: " + std::to_string(total) + " tokens in one call; this model was set up for 1 to " +
                                 std::to_string(max_tokens_));
-  if (pos < 0) throw std::invalid_argument("forward: negative position " + std::to_string(pos));
-  for (int token : tokens)
-    if (token < 0 || token >= config_.vocab_size)
-      throw std::invalid_argument("forward: token id " + std::to_string(token) + " is outside the vocabulary [0, " +
-                                  std::to_string(config_.vocab_size) + ")");
-  KvCache& kv = cache ? *cache : call_local_;
-  kv.prepare(pos, n);
-  // step (2, n): the token ids, then their positions - read by the operations from backend memory.
-  for (int i = 0; i < n; ++i) host_step_[i] = tokens[i], host_step_[n + i] = pos + i;
+  const int n = static_cast<int>(total);
+  for (const SequenceStep& s : batch) {
+    if (s.tokens.empty()) throw std::invalid_argument("forward: a sequence with no tokens in the batch");
+    if (s.pos < 0) throw std::invalid_argument("forward: negative position " + std::to_string(s.pos));
+    if (!s.cache) throw std::invalid_argument("forward: a sequence of a batch without a cache");
+    if (s.cache->rotates_at_read() != batch[0].cache->rotates_at_read())
+      throw std::invalid_argument("forward: a batch mixes caches that rotate keys at read time with caches that do not");
+    for (const SequenceStep& t : batch)
+      if (&t != &s && t.cache == s.cache) throw std::invalid_argument("forward: two sequences of a batch share one cache");
+    for (int token : s.tokens)
+      if (token < 0 || token >= config_.vocab_size)
+        throw std::invalid_argument("forward: token id " + std::to_string(token) + " is outside the vocabulary [0, " +
+                                    std::to_string(config_.vocab_size) + ")");
+  }
+  // step (2, n): every sequence's token ids, then their positions - read by the operations from backend memory.
+  parts_.clear();
+  for (const SequenceStep& s : batch) {
+    const int offset = parts_.empty() ? 0 : parts_.back().offset + parts_.back().n;
+    const int count = static_cast<int>(s.tokens.size());
+    s.cache->prepare(s.pos, count);
+    for (int i = 0; i < count; ++i) host_step_[offset + i] = s.tokens[i], host_step_[n + offset + i] = s.pos + i;
+    parts_.push_back(Part{offset, count, s.pos, s.cache});
+  }
   backend_.from_host(step_.data(), host_step_.data(), 2 * std::size_t(n));
-  return kv;
+  return n;
 }
 
-void Model::compute(int n, int pos, KvCache& kv, Logits which) {
+void Model::compute(int n, Logits which) {
   const ModelConfig& c = config_;
   const AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim()};
   const int dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim;
   Backend& b = backend_;
   float *x = x_.data(), *xb = xb_.data(), *q = q_.data(), *k = k_.data(), *v = v_.data();
   float *att = att_.data(), *hb = hb_.data(), *hb2 = hb2_.data(), *rope = rope_.data();
-  const int* tokens = step_.data();         // (n) token ids
-  const int* positions = step_.data() + n;  // (n) positions pos .. pos + n - 1
+  const int* tokens = step_.data();         // (n) token ids, the sequences one after another
+  const int* positions = step_.data() + n;  // (n) each token's position in its sequence
 
-  // RoPE at the absolute positions, here; or, for a cache that rotates at read time, by attention.
-  const bool rotate_here = !kv.rotates_at_read();
+  // RoPE at the absolute positions, here; or, for caches that rotate at read time, by attention.
+  const bool rotate_here = !parts_[0].cache->rotates_at_read();  // the same for every sequence (load_step)
   b.embed(x, token_embedding_, tokens, n, dim);        // x (n, dim) = embedding rows of the tokens
   if (rotate_here) b.rope_table(rope, positions, n, c.head_dim());  // rope (n, head_dim/2, 2)
 
@@ -140,22 +165,17 @@ void Model::compute(int n, int pos, KvCache& kv, Logits which) {
                                     {k, w.wk, kv_dim, qk_rope},    // k (n, n_kv_heads · head_dim)
                                     {v, w.wv, kv_dim}};            // v (n, n_kv_heads · head_dim)
     b.norm_products(xb, x, w.rms_att, n, dim, c.head_dim(), qkv);  // xb (n, dim) = norm(x) (backend.h)
-    kv.write(l, pos, n, positions, k, v);             // the cache keeps what later positions will read
-    const KvView visible = kv.view(l);                // (rows, kv_dim) keys and values
-    if (visible.rows > max_kv_rows_)
-      throw std::invalid_argument("forward: the cache shows " + std::to_string(visible.rows) +
-                                  " rows; this model was set up for at most " + std::to_string(max_kv_rows_));
-    float* weights = observer_ ? observed_weights_.data() : nullptr;  // (n, n_heads, rows) when observed
-    b.attention(att, q, positions, n, visible, shape, {scratch_.data(), scratch_.size()}, weights);  // att (n, dim)
-    if (observer_) {
-      const std::size_t count = std::size_t(n) * c.n_heads * visible.rows;
-      b.to_host(host_weights_.data(), weights, count);
-      KvView observed = visible;  // row positions live in backend memory (a ring's): the observer reads a copy
-      if (visible.row_positions) {
-        b.to_host(host_row_positions_.data(), visible.row_positions, visible.rows);
-        observed.row_positions = host_row_positions_.data();
-      }
-      observer_->on_attention(l, pos, n, observed, {host_weights_.data(), count});
+    for (const Part& s : parts_) {  // each sequence's tokens attend over its own cache only
+      const std::size_t at = s.offset;
+      s.cache->write(l, s.pos, s.n, positions + at, k + at * kv_dim, v + at * kv_dim);  // what later positions read
+      const KvView visible = s.cache->view(l);        // (rows, kv_dim) keys and values
+      if (visible.rows > max_kv_rows_)
+        throw std::invalid_argument("forward: the cache shows " + std::to_string(visible.rows) +
+                                    " rows; this model was set up for at most " + std::to_string(max_kv_rows_));
+      float* weights = observer_ ? observed_weights_.data() : nullptr;  // (n, n_heads, rows) when observed
+      b.attention(att + at * dim, q + at * dim, positions + at, s.n, visible, shape, {scratch_.data(), scratch_.size()},
+                  weights);                           // att (s.n, dim) of this sequence's tokens
+      if (observer_) observe(l, s.pos, s.n, visible, weights);
     }
     b.matmul_add(x, xb, att, w.wo, n, dim, dim);      // x (n, dim) += xb (n, dim) = Wo · att
 
@@ -164,11 +184,32 @@ void Model::compute(int n, int pos, KvCache& kv, Logits which) {
     b.matmul_add(x, xb, hb, w.w2, n, hidden, dim);    // x (n, dim) += xb (n, dim) = W2 · hb
   }
 
-  // logits = classifier · norm(x), for the last position or for all of them
-  const int first = which == Logits::kLastPosition ? n - 1 : 0;
-  const int rows = n - first;
+  // logits = classifier · norm(x), for each sequence's last position or for every position
+  const float* last = x;  // (rows, dim) the positions to classify
+  int rows = n;
+  if (which == Logits::kLastPosition) {
+    rows = static_cast<int>(parts_.size());
+    if (rows == 1) {
+      last = x + std::size_t(n - 1) * dim;
+    } else if (rows < n) {  // a sequence brought several tokens: its last row to att (rows, dim), free by now
+      for (int s = 0; s < rows; ++s)
+        b.copy(att + std::size_t(s) * dim, x + std::size_t(parts_[s].offset + parts_[s].n - 1) * dim, dim);
+      last = att;
+    }  // else every sequence brought one token: x is those rows already
+  }
   const Backend::Product classify[] = {{logits_.data(), classifier_, c.vocab_size}};  // logits (rows, vocab)
-  b.norm_products(xb, x + std::size_t(first) * dim, rms_final_, rows, dim, c.head_dim(), classify);  // xb (rows, dim)
+  b.norm_products(xb, last, rms_final_, rows, dim, c.head_dim(), classify);  // xb (rows, dim)
+}
+
+void Model::observe(int layer, int pos, int n, const KvView& visible, float* weights) {
+  const std::size_t count = std::size_t(n) * config_.n_heads * visible.rows;
+  backend_.to_host(host_weights_.data(), weights, count);
+  KvView observed = visible;  // row positions live in backend memory (a ring's): the observer reads a copy
+  if (visible.row_positions) {
+    backend_.to_host(host_row_positions_.data(), visible.row_positions, visible.rows);
+    observed.row_positions = host_row_positions_.data();
+  }
+  observer_->on_attention(layer, pos, n, observed, {host_weights_.data(), count});
 }
 
 std::span<const float> Model::read_logits(int n, Logits which) {
@@ -190,12 +231,13 @@ std::span<const float> RecordedDecode::step(int token, int pos) {
   if (model_.observer_)
     throw std::invalid_argument("recorded decoding: detach the attention observer (it reads weights on the host)");
   const int tokens[1] = {token};
-  model_.load_step(tokens, pos, &cache_);  // the cache's bookkeeping, then the token and position: not recorded
+  const SequenceStep one[] = {{tokens, pos, &cache_}};
+  model_.load_step(one);  // the cache's bookkeeping, then the token and position: not recorded
   Backend& b = model_.backend();
   if (recording_ < 0) {
     recording_ = b.begin_recording();
     try {
-      model_.compute(1, pos, cache_, Logits::kLastPosition);
+      model_.compute(1, Logits::kLastPosition);
     } catch (...) {
       b.end_recording();
       recording_ = -1;

@@ -12,6 +12,14 @@ namespace kvs {
 
 enum class Logits { kLastPosition, kAllPositions };
 
+// One sequence's part of a batched forward pass (chapter 08): its new tokens, the position of the first, and
+// the cache that holds its earlier positions and keeps these.
+struct SequenceStep {
+  std::span<const int> tokens;
+  int pos = 0;
+  KvCache* cache = nullptr;
+};
+
 // Sees every layer's attention weights as the forward pass computes them (chapters 04-05 measure where
 // attention goes; nothing is recomputed). Called after each layer's attention.
 class AttentionObserver {
@@ -41,6 +49,18 @@ class Model {
   std::span<const float> forward(std::span<const int> tokens, int pos, KvCache* cache = nullptr,
                                  Logits which = Logits::kLastPosition);
 
+  // One forward pass over the tokens of several sequences at once (a ragged batch: a decode token for some, a
+  // prefill chunk for others), each at its own positions through its own cache (distinct caches, every one
+  // rotating keys where the model does: !rotates_at_read()). The weight products run once over all the call's
+  // tokens - at batch 1 a decode step reads every weight to make one token; at batch B, B tokens - and
+  // attention runs per sequence over that sequence's view. Returns (sequences, vocab) logits, each sequence's
+  // last position in batch order, or (all tokens, vocab) in batch order. A batch of one is forward() itself,
+  // the same operations. What a sequence gets inside a batch equals what it gets alone up to the summation
+  // order of the products, which may depend on how many rows a product has (CPU: Eigen's matrix-vector
+  // product for one row, its blocked matrix product for more; GPU: gemv_kernel up to fused_tokens(), cuBLAS
+  // above): the same greedy tokens, logits within a few 1e-5 (tests/test_batched.cpp measures it).
+  std::span<const float> forward(std::span<const SequenceStep> batch, Logits which = Logits::kLastPosition);
+
   // Attach an observer (null detaches). The first attach allocates (max_tokens_per_call, n_heads,
   // max_kv_rows) floats on the backend and on the host, so observed decoding still allocates nothing.
   void observe_attention(AttentionObserver* observer);
@@ -61,8 +81,15 @@ class Model {
   friend class RecordedDecode;
   // forward() in three parts: check the call and hand its tokens and positions to the backend; the
   // operations themselves (what a recording captures); the logits back to the host.
-  KvCache& load_step(std::span<const int> tokens, int pos, KvCache* cache);
-  void compute(int n, int pos, KvCache& kv, Logits which);
+  // The call's sequences as load_step found them: tokens [offset, offset + n) of the call, at pos, pos + 1, ...
+  struct Part {
+    int offset, n, pos;
+    KvCache* cache;
+  };
+  int load_step(std::span<const SequenceStep> batch);  // returns the call's tokens, n
+  void compute(int n, Logits which);
+  // Hands one layer's attention weights (backend memory) to the observer.
+  void observe(int layer, int pos, int n, const KvView& visible, float* weights);
   std::span<const float> read_logits(int n, Logits which);
 
   struct LayerWeights {
@@ -91,6 +118,7 @@ class Model {
   IntBuffer step_;   // (2, n)          this call's token ids, then their positions (n = the call's positions)
   std::vector<int> host_step_;      // (2, N)
   std::vector<float> host_logits_;  // (N, vocab)
+  std::vector<Part> parts_;         // (sequences of this call), capacity N: refilled without allocating
   CallLocalKv call_local_;
   AttentionObserver* observer_ = nullptr;
   Buffer observed_weights_;         // (N, n_heads, max_kv_rows) once an observer is attached

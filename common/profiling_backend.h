@@ -86,6 +86,10 @@ class ProfilingBackend final : public Backend {
   void write_positions(int* slot_positions, const int* positions, Ring ring, int n) override {
     timed(OpKind::kOther, [&] { inner_.write_positions(slot_positions, positions, ring, n); });
   }
+  void write_paged_rows(float* rows, int row_stride, const int* positions, BlockTable table, const float* src, int n,
+                        int width) override {
+    timed(OpKind::kOther, [&] { inner_.write_paged_rows(rows, row_stride, positions, table, src, n, width); });
+  }
   void swiglu(float* gate, const float* up, std::size_t count) override {
     timed(OpKind::kOther, [&] { inner_.swiglu(gate, up, count); });
   }

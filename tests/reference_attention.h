@@ -34,7 +34,7 @@ inline void reference_attention(float* out, const float* q, int pos, int n, cons
       for (int r = 0; r < kv.rows; ++r) {
         weight[r] = -INFINITY;
         if (!key_visible(pos + i, kv.position_of(r), kv.window)) continue;
-        const float* stored = kv.keys + std::size_t(r) * kv.row_stride + kv_head * head_dim;
+        const float* stored = kv.keys + kv.row_offset(r) + kv_head * head_dim;
         key.assign(stored, stored + head_dim);
         if (kv.read_rope) rotate(key, rotary_key_position(pos + i, kv.position_of(r), kv.window));
         double dot = 0;
@@ -50,7 +50,7 @@ inline void reference_attention(float* out, const float* q, int pos, int n, cons
         double acc = 0;
         for (int r = 0; r < kv.rows; ++r)
           if (weight[r] != -INFINITY)
-            acc += weight[r] / sum * kv.values[std::size_t(r) * kv.row_stride + kv_head * head_dim + d];
+            acc += weight[r] / sum * kv.values[kv.row_offset(r) + kv_head * head_dim + d];
         o[d] = static_cast<float>(acc);  // 0 when nothing is visible, as the backends give
       }
       if (weights)

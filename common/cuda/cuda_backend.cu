@@ -101,6 +101,15 @@ __global__ void write_rows_kernel(float* rows, int row_stride, const int* positi
   for (int d = threadIdx.x; d < width; d += blockDim.x) row[d] = src[i * width + d];
 }
 
+// rows[table.physical_row(positions[i])] = src[i]: write_rows_kernel for a paged cache (block_table.h), the
+// table's blocks in device memory. Grid (n), block 256.
+__global__ void write_paged_rows_kernel(float* rows, int row_stride, const int* positions, BlockTable table,
+                                        const float* src, int width) {
+  const std::size_t i = blockIdx.x;
+  float* row = rows + std::size_t(table.physical_row(positions[i])) * row_stride;
+  for (int d = threadIdx.x; d < width; d += blockDim.x) row[d] = src[i * width + d];
+}
+
 // slot_positions[ring.write_slot(positions[i])] = positions[i], i < n. Grid (1), block 256 (n: a call's
 // positions, at most a prefill chunk), threads stride over i.
 __global__ void write_positions_kernel(int* slot_positions, const int* positions, Ring ring, int n) {
@@ -154,7 +163,7 @@ __device__ void load_query(float (&query)[kElements], const float* query_row, co
 // Element d of view row r's key (position key_pos) in the KV head at kv_offset, as the query at query_pos
 // sees it: as stored, or rotated by its rotary position when the view rotates at read time.
 __device__ float key_element(const KvView& kv, int r, int key_pos, int query_pos, int kv_offset, int d, int head_dim) {
-  const float* key = kv.keys + std::size_t(r) * kv.row_stride + kv_offset;
+  const float* key = kv.keys + kv.row_offset(r) + kv_offset;
   if (!kv.read_rope) return key[d];
   const float* cos_sin = kv.read_rope + std::size_t(rotary_key_position(query_pos, key_pos, kv.window)) * (head_dim / 2) * 2;
   return rope_rotated_element(key, d, cos_sin + (d / 2) * 2);
@@ -225,7 +234,7 @@ __device__ PartialSoftmax attend_rows(HeadPartials& parts, const float (&query)[
   for (int r = row_begin + warp; r < row_end; r += warps) {
     const int key_pos = kv.position_of(r);
     if (!key_visible(query_pos, key_pos, kv.window)) continue;  // the same r in every lane
-    const float* value = kv.values + std::size_t(r) * kv.row_stride + kv_offset;
+    const float* value = kv.values + kv.row_offset(r) + kv_offset;
     const float score = score_of(query, kv, r, key_pos, query_pos, kv_offset, head_dim, lane);
     const float new_max = fmaxf(running_max, score);
     const float rescale = expf(running_max - new_max);  // 0 for the first visible row
@@ -339,7 +348,7 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
       const int j = e / kHeadDim, d = e % kHeadDim;
       const int key_pos = tile_positions[j];
       const bool read = key_pos >= 0 && key_pos <= last_pos && d < head_dim;  // a row some query may see
-      const std::size_t at = std::size_t(tile + j) * kv.row_stride + kv_offset + d;
+      const std::size_t at = read ? kv.row_offset(tile + j) + kv_offset + d : 0;  // a paged view has no row past end
       k_tile[j * kPadded + d] = read ? kv.keys[at] : 0.0f;
       v_tile[j * kHeadDim + d] = read ? kv.values[at] : 0.0f;
     }
@@ -453,7 +462,7 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
     for (int i = 0; i < kRowsInFlight; ++i) {
       const int r = first + i, key_pos = r < row_end ? kv.position_of(r) : -1;
       visible[i] = r < row_end && key_visible(query_pos, key_pos, kv.window);  // the same in every lane
-      const float* value_row = kv.values + std::size_t(r) * kv.row_stride + kv_offset;
+      const float* value_row = visible[i] ? kv.values + kv.row_offset(r) + kv_offset : kv.values;  // paged: no row past the end
       for (int j = 0; j < kElements; ++j) {
         const int d = lane + j * kWarp;
         const bool load = visible[i] && d < head_dim;  // a hidden row is never read: its bytes may be NaN
@@ -1010,6 +1019,11 @@ class CudaBackend final : public Backend {
   }
   void write_positions(int* slot_positions, const int* positions, Ring ring, int n) override {
     KVS_LAUNCH(write_positions_kernel, dim3(1), dim3(kThreads), 0, stream_, slot_positions, positions, ring, n);
+  }
+  void write_paged_rows(float* rows, int row_stride, const int* positions, BlockTable table, const float* src, int n,
+                        int width) override {
+    KVS_LAUNCH(write_paged_rows_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, row_stride,
+               positions, table, src, width);
   }
   void swiglu(float* gate, const float* up, std::size_t count) override {
     KVS_LAUNCH(swiglu_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, stream_, gate, up, count);
