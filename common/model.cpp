@@ -103,7 +103,7 @@ std::span<const float> Model::forward(std::span<const int> tokens, int pos, KvCa
 std::span<const float> Model::forward(std::span<const SequenceStep> batch, Logits which) {
   const int n = load_step(batch);
   compute(n, which);
-  return read_logits(which == Logits::kLastPosition ? static_cast<int>(parts_.size()) : n, which);
+  return read_logits(which == Logits::kLastPosition ? static_cast<int>(parts_.size()) : n);
 }
 
 int Model::load_step(std::span<const SequenceStep> batch) {
@@ -212,8 +212,8 @@ void Model::observe(int layer, int pos, int n, const KvView& visible, float* wei
   observer_->on_attention(layer, pos, n, observed, {host_weights_.data(), count});
 }
 
-std::span<const float> Model::read_logits(int n, Logits which) {
-  const std::size_t count = std::size_t(which == Logits::kLastPosition ? 1 : n) * config_.vocab_size;
+std::span<const float> Model::read_logits(int rows) {
+  const std::size_t count = std::size_t(rows) * config_.vocab_size;
   backend_.to_host(host_logits_.data(), logits_.data(), count);
   return {host_logits_.data(), count};
 }
@@ -246,7 +246,7 @@ std::span<const float> RecordedDecode::step(int token, int pos) {
     b.end_recording();
   }
   b.replay(recording_);
-  return model_.read_logits(1, Logits::kLastPosition);
+  return model_.read_logits(1);
 }
 
 }  // namespace kvs

@@ -90,7 +90,7 @@ class Model {
   void compute(int n, Logits which);
   // Hands one layer's attention weights (backend memory) to the observer.
   void observe(int layer, int pos, int n, const KvView& visible, float* weights);
-  std::span<const float> read_logits(int n, Logits which);
+  std::span<const float> read_logits(int rows);  // (rows, vocab) to the host
 
   struct LayerWeights {
     const float *rms_att, *wq, *wk, *wv, *wo, *rms_ffn, *w1, *w2, *w3;

@@ -48,6 +48,7 @@ MemoryPlan plan_run(const CommonOptions& options, const Checkpoint& checkpoint, 
                      std::to_string(options.max_new_tokens) + " exceeds the model's context of " +
                      std::to_string(context) + " positions; shorten the prompt or lower --max-new-tokens");
   const int positions = static_cast<int>(std::min<long>(longest_sequence > 0 ? longest_sequence : needed, context));
+  if (kv_rows < 0) kv_rows = context;
   MemoryPlan plan = plan_memory(checkpoint, backend, std::max(positions, 1), positions, kv_rows);
   check_memory(plan, options.memory_limit);
   return plan;

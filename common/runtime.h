@@ -46,7 +46,8 @@ class Runtime {
   // Throws UsageError or std::runtime_error (CheckpointError) with a one-line reason when something does
   // not fit. The model's buffers are sized for `longest_sequence` positions (0: the prompt plus
   // --max-new-tokens), at most the model's context, and for caches that show attention up to `kv_rows`
-  // rows (0: as many as the positions; a ring cache shows more rows than one call's positions).
+  // rows (0: as many as the positions; a ring cache shows more rows than one call's positions; -1: the model's
+  // whole context, for sequences that grow step by step in calls shorter than they are).
   Runtime(const CommonOptions& options, const std::string& default_prompt, PromptFit fit = PromptFit::kMustFit,
           int longest_sequence = 0, int kv_rows = 0);
   Runtime(const Runtime&) = delete;

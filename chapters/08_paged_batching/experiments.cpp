@@ -1,0 +1,336 @@
+#include "experiments.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <numeric>
+
+#include "03_preallocated_cache/breakdown.h"
+#include "03_preallocated_cache/preallocated_kv_cache.h"
+#include "generate.h"
+#include "timing.h"
+#include "tokenizer.h"
+
+namespace kvs::ch08 {
+namespace {
+
+// A progress line on stderr at most once a second: rewritten in place on a terminal, one line per update
+// elsewhere (a log file, CI).
+class Progress {
+ public:
+  explicit Progress(std::string what) : what_(std::move(what)), terminal_(isatty(STDERR_FILENO)) {}
+  void update(int done, int total) {
+    if (clock_.milliseconds() < next_ms_ && (done < total || !printed_)) return;  // runs under a second: silent
+    printed_ = true;
+    next_ms_ = clock_.milliseconds() + 1000;
+    std::fprintf(stderr, "%s  %s: %d of %d requests finished, %.0f s", terminal_ ? "\r" : "", what_.c_str(), done, total,
+                 clock_.milliseconds() / 1000);
+    if (!terminal_ || done == total) std::fprintf(stderr, "\n");
+  }
+  OnStep on_step() {
+    return [this](const RunStats&, int finished, int requests) { update(finished, requests); };
+  }
+
+ private:
+  std::string what_;
+  bool terminal_;
+  Stopwatch clock_;
+  double next_ms_ = 1000;
+  bool printed_ = false;
+};
+
+std::vector<double> collect(const std::vector<RequestResult>& results, double (RequestResult::*metric)() const) {
+  std::vector<double> values;
+  for (const RequestResult& r : results) values.push_back((r.*metric)());
+  return values;
+}
+double mean(const std::vector<double>& v) { return v.empty() ? 0 : std::accumulate(v.begin(), v.end(), 0.0) / v.size(); }
+
+// Decode steps only: every sequence of the step brought one token.
+std::vector<double> decode_step_ms(const RunStats& stats, int sequences) {
+  std::vector<double> ms;
+  for (int i = 0; i < stats.steps; ++i)
+    if (stats.step_sequences[i] == sequences && stats.step_tokens[i] == sequences) ms.push_back(stats.step_ms[i]);
+  return ms;
+}
+
+double waste_share(const RunStats& stats) {
+  return stats.reserved_position_steps > 0 ? 1.0 - stats.live_position_steps / stats.reserved_position_steps : 0.0;
+}
+
+// How many requests' outputs equal `expected`; prints the first few that differ.
+int count_identical(const std::vector<RequestResult>& results, const std::vector<std::vector<int>>& expected) {
+  int same = 0, shown = 0;
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    if (results[i].output == expected[i]) {
+      ++same;
+      continue;
+    }
+    std::size_t at = 0;
+    while (at < results[i].output.size() && at < expected[i].size() && results[i].output[at] == expected[i][at]) ++at;
+    if (shown++ < 5) std::fprintf(stderr, "  request %zu differs from output token %zu on\n", i, at);
+  }
+  return same;
+}
+
+std::vector<std::vector<int>> outputs_of(const std::vector<RequestResult>& results) {
+  std::vector<std::vector<int>> outputs;
+  for (const RequestResult& r : results) outputs.push_back(r.output);
+  return outputs;
+}
+
+std::string printable(const std::vector<int>& tokens) {
+  std::string text = decode_bytes(tokens);
+  std::replace(text.begin(), text.end(), '\n', ' ');
+  return text;
+}
+
+}  // namespace
+
+BlockPool make_pool(Setup& s, int block_size, std::int64_t bytes, int max_sequences) {
+  const ModelConfig& c = s.rt.model.config();
+  const std::int64_t per_block = kv_cache_bytes(c, block_size);
+  if (bytes < per_block)
+    throw UsageError("--kv-memory " + format_bytes(double(bytes)) + " holds no block of " + std::to_string(block_size) +
+                     " positions (" + format_bytes(double(per_block)) + "); give it more memory or use smaller blocks");
+  const std::int64_t blocks = std::min<std::int64_t>(bytes / per_block, 1 << 24);
+  return BlockPool(s.rt.backend, c, static_cast<int>(blocks), block_size, max_sequences, c.seq_len);
+}
+
+std::vector<int> alone(Runtime& rt, const Request& request) {
+  ch03::PreallocatedKvCache cache(rt.backend, rt.model.config(), static_cast<int>(request.prompt.size()) + request.max_new_tokens);
+  Sampler greedy(rt.model.config().vocab_size, SamplerSettings{});
+  const Generation g = generate_cached(rt.model, cache, greedy, request.prompt, request.max_new_tokens);
+  return std::vector<int>(g.tokens.begin() + static_cast<long>(request.prompt.size()), g.tokens.end());
+}
+
+int serve_trace(Setup& s) {
+  BlockPool pool = make_pool(s, s.block_size, s.kv_memory, s.options.max_batch);
+  std::fprintf(stderr, "%zu requests, %s batching of up to %d sequences and %d tokens a step; a pool of %d blocks of %d "
+                       "positions (%s)\n", s.requests.size(), to_string(s.options.batching), s.options.max_batch,
+               s.options.token_budget, pool.blocks(), pool.block_size(), format_bytes(double(pool.allocated_bytes())).c_str());
+  std::vector<RequestResult> results;
+  Progress progress("serving");
+  const RunStats stats = serve(s.rt.model, pool, s.requests, s.options, results, progress.on_step());
+  for (std::size_t i = 0; i < std::min<std::size_t>(2, results.size()); ++i)
+    std::printf("[request %zu] %s|%s\n", i, printable(s.requests[i].prompt).c_str(), printable(results[i].output).c_str());
+
+  const auto ttft = collect(results, &RequestResult::time_to_first_token_ms);
+  const auto tpot = collect(results, &RequestResult::time_per_output_token_ms);
+  const auto latency = collect(results, &RequestResult::latency_ms);
+  std::fprintf(stderr, "\n%d steps in %.0f ms: %ld tokens generated, %.0f tokens/s; %ld prompt tokens prefilled; up to %d "
+                       "sequences in a step; %d preemptions (%ld tokens recomputed)\n", stats.steps, stats.wall_ms,
+               stats.generated_tokens, stats.tokens_per_s(), stats.prefill_tokens, stats.peak_running, stats.preemptions,
+               stats.recomputed_tokens);
+  std::fprintf(stderr, "per request: time to first token p50 %.1f ms, p99 %.1f ms; time per output token p50 %.2f ms; "
+                       "latency p50 %.1f ms, p99 %.1f ms\n", percentile(ttft, 50), percentile(ttft, 99),
+               percentile(tpot, 50), percentile(latency, 50), percentile(latency, 99));
+  std::fprintf(stderr, "KV cache: %.1f%% of the positions handed out held no K/V (the tails of last blocks), on average over "
+                       "the steps; at most %d of %d blocks in use\n", 100 * waste_share(stats), stats.peak_used_blocks, pool.blocks());
+
+  std::fprintf(stderr, "\nchecking every output against the request served alone (chapter 03's cache)...\n");
+  std::vector<std::vector<int>> expected;
+  for (const Request& r : s.requests) expected.push_back(alone(s.rt, r));
+  const int same = count_identical(results, expected);
+  std::fprintf(stderr, "%d of %zu outputs identical to the request alone\n", same, results.size());
+
+  CsvWriter csv({"--csv", s.csv}, "request,prompt_tokens,new_tokens,arrival_step,ttft_ms,tpot_ms,latency_ms,preemptions,identical_alone",
+                s.rt.inputs());
+  for (std::size_t i = 0; i < results.size(); ++i)
+    csv.row(i, s.requests[i].prompt.size(), results[i].output.size(), s.requests[i].arrival_step, ttft[i], tpot[i], latency[i],
+            results[i].preemptions, results[i].output == expected[i] ? 1 : 0);
+  csv.commit();
+  if (csv.enabled()) std::fprintf(stderr, "wrote %s\n", csv.path().c_str());
+  return same == static_cast<int>(results.size()) ? 0 : 1;
+}
+
+int throughput(Setup& s) {
+  const ModelConfig& c = s.rt.model.config();
+  const int prompt = s.shape.prompt_min, new_tokens = s.shape.output_max;
+  const int threads = std::max(1, s.rt.cpu_threads());
+  const ch03::StepBytes step = ch03::decode_step_bytes(c, prompt + new_tokens / 2);
+  const double matmul_gflops = ch03::measure_matmul_gflops(s.rt.backend);
+  std::fprintf(stderr, "batches of requests with %d-token prompts and %d new tokens each; decode steps only (every "
+                       "sequence one token)\n", prompt, new_tokens);
+  std::fprintf(stderr, "roofline: a step reads the weights once (%s) and each sequence's K/V (%s at %d positions); the "
+                       "matrix products run at up to %.1f GFLOP/s here\n",
+               format_bytes(double(step.weights)).c_str(), format_bytes(double(step.kv)).c_str(), prompt + new_tokens / 2,
+               matmul_gflops);
+  std::fprintf(stderr, "%6s %10s %10s %12s %9s %12s %12s\n", "batch", "step p50", "step p99", "tokens/s", "vs B=1",
+               "memory floor", "compute floor");
+  CsvWriter csv({"--csv", s.csv}, "threads,batch,step_ms_p50,step_ms_p99,tokens_per_s,speedup_vs_batch1,memory_floor_ms,compute_floor_ms",
+                s.rt.inputs());
+  double batch1 = 0;
+  for (int batch : s.batch_sizes) {
+    std::vector<Request> requests;
+    for (int i = 0; i < batch; ++i)  // distinct prompts: slices of the trace's text, or of one prompt repeated
+      requests.push_back(Request{std::vector<int>(s.requests[i % s.requests.size()].prompt.begin(),
+                                                  s.requests[i % s.requests.size()].prompt.begin() +
+                                                      std::min<std::size_t>(prompt, s.requests[i % s.requests.size()].prompt.size())),
+                                 new_tokens, 0});
+    SchedulerOptions options{.batching = Batching::kContinuous, .max_batch = batch, .token_budget = s.options.token_budget};
+    BlockPool pool = make_pool(s, s.block_size, s.kv_memory, batch);
+    std::vector<RequestResult> results;
+    serve(s.rt.model, pool, requests, options, results);  // warm-up
+    const RunStats stats = serve(s.rt.model, pool, requests, options, results);
+    const std::vector<double> ms = decode_step_ms(stats, batch);
+    const double p50 = percentile(ms, 50), p99 = percentile(ms, 99), tokens_per_s = p50 > 0 ? 1000.0 * batch / p50 : 0;
+    if (batch1 == 0) batch1 = tokens_per_s;
+    const double read_gbs = ch03::measure_read_gbs(step.weights + batch * step.kv, threads);
+    const double memory_floor = (step.weights + batch * step.kv) / (read_gbs * 1e9) * 1000;
+    const double compute_floor = 2.0 * double(parameter_count(c)) * batch / (matmul_gflops * 1e9) * 1000;
+    std::fprintf(stderr, "%6d %8.3f ms %7.3f ms %12.0f %8.2fx %9.3f ms %10.3f ms\n", batch, p50, p99, tokens_per_s,
+                 tokens_per_s / batch1, memory_floor, compute_floor);
+    csv.row(threads, batch, p50, p99, tokens_per_s, tokens_per_s / batch1, memory_floor, compute_floor);
+  }
+  std::fprintf(stderr, "memory floor: the step's bytes at this machine's read bandwidth for a working set that size "
+                       "(measured); compute floor: 2 x parameters x batch FLOPs at the matrix-product rate above\n");
+  csv.commit();
+  if (csv.enabled()) std::fprintf(stderr, "wrote %s\n", csv.path().c_str());
+  return 0;
+}
+
+int memory_waste(Setup& s) {
+  const ModelConfig& c = s.rt.model.config();
+  std::vector<int> sizes = s.block_sizes;
+  sizes.push_back(c.seq_len);  // one block of the whole context a sequence: a max-length reservation
+  SchedulerOptions options = s.options;
+  options.max_batch = options.token_budget;  // memory, not the batch limit, decides how many run at once
+  std::fprintf(stderr, "%zu requests, all at step 0, in a pool of %s; the last row reserves the model's whole context "
+                       "(%d positions) per sequence, as a preallocated cache per sequence must\n", s.requests.size(),
+               format_bytes(double(s.kv_memory)).c_str(), c.seq_len);
+  std::fprintf(stderr, "%10s %8s %14s %14s %8s %14s %8s %10s\n", "block", "blocks", "reserved (avg)", "live (avg)", "waste",
+               "largest batch", "preempt", "tokens/s");
+  CsvWriter csv({"--csv", s.csv}, "block_size,blocks,reserved_bytes_mean,live_bytes_mean,waste_share,largest_batch,preemptions,tokens_per_s,steps",
+                s.rt.inputs());
+  for (int block_size : sizes) {
+    BlockPool pool = make_pool(s, block_size, s.kv_memory, options.max_batch);
+    std::vector<RequestResult> results;
+    Progress progress("block size " + std::to_string(block_size));
+    const RunStats stats = serve(s.rt.model, pool, s.requests, options, results, progress.on_step());
+    const double bytes = double(pool.bytes_per_position());
+    const double reserved = stats.reserved_position_steps / stats.steps * bytes, live = stats.live_position_steps / stats.steps * bytes;
+    std::fprintf(stderr, "%10s %8d %14s %14s %7.1f%% %14d %8d %10.0f\n",
+                 block_size == c.seq_len ? "max-length" : std::to_string(block_size).c_str(), pool.blocks(),
+                 format_bytes(reserved).c_str(), format_bytes(live).c_str(), 100 * waste_share(stats), stats.peak_running,
+                 stats.preemptions, stats.tokens_per_s());
+    csv.row(block_size, pool.blocks(), reserved, live, waste_share(stats), stats.peak_running, stats.preemptions,
+            stats.tokens_per_s(), stats.steps);
+  }
+  csv.commit();
+  if (csv.enabled()) std::fprintf(stderr, "wrote %s\n", csv.path().c_str());
+  return 0;
+}
+
+int batching(Setup& s) {
+  std::fprintf(stderr, "%zu requests arriving over %d steps, up to %d sequences a step, blocks of %d in %s\n",
+               s.requests.size(), s.requests.back().arrival_step, s.options.max_batch, s.block_size,
+               format_bytes(double(s.kv_memory)).c_str());
+  std::fprintf(stderr, "%11s %7s %10s %10s %12s %12s %10s %10s\n", "batching", "steps", "total", "tokens/s", "latency mean",
+               "latency p99", "TTFT mean", "idle slots");
+  CsvWriter csv({"--csv", s.csv}, "batching,steps,total_ms,tokens_per_s,latency_ms_mean,latency_ms_p99,ttft_ms_mean,idle_slot_share",
+                s.rt.inputs());
+  for (Batching b : {Batching::kContinuous, Batching::kStatic}) {
+    SchedulerOptions options = s.options;
+    options.batching = b;
+    BlockPool pool = make_pool(s, s.block_size, s.kv_memory, options.max_batch);
+    std::vector<RequestResult> results;
+    Progress progress(to_string(b));
+    const RunStats stats = serve(s.rt.model, pool, s.requests, options, results, progress.on_step());
+    const auto latency = collect(results, &RequestResult::latency_ms);
+    const double idle = double(stats.idle_slot_steps) / double(stats.slot_steps);
+    std::fprintf(stderr, "%11s %7d %7.0f ms %10.0f %9.0f ms %9.0f ms %7.0f ms %9.1f%%\n", to_string(b), stats.steps, stats.wall_ms,
+                 stats.tokens_per_s(), mean(latency), percentile(latency, 99),
+                 mean(collect(results, &RequestResult::time_to_first_token_ms)), 100 * idle);
+    csv.row(to_string(b), stats.steps, stats.wall_ms, stats.tokens_per_s(), mean(latency), percentile(latency, 99),
+            mean(collect(results, &RequestResult::time_to_first_token_ms)), idle);
+  }
+  std::fprintf(stderr, "idle slots: sequence slots of a step left empty while an arrived request waited\n");
+  csv.commit();
+  if (csv.enabled()) std::fprintf(stderr, "wrote %s\n", csv.path().c_str());
+  return 0;
+}
+
+int preemption(Setup& s) {
+  const ModelConfig& c = s.rt.model.config();
+  std::int64_t everyone = 0;  // a pool that holds every request whole at once: nothing is ever preempted
+  for (const Request& r : s.requests)
+    everyone += kv_cache_bytes(c, blocks_needed(int(r.prompt.size()) + r.max_new_tokens, s.block_size) * s.block_size);
+  std::fprintf(stderr, "%zu requests; a pool of %s (every request at once) against one of %s\n", s.requests.size(),
+               format_bytes(double(everyone)).c_str(), format_bytes(double(s.kv_memory)).c_str());
+  CsvWriter csv({"--csv", s.csv}, "pool_bytes,blocks,steps,total_ms,tokens_per_s,preemptions,recomputed_tokens,identical_outputs",
+                s.rt.inputs());
+  std::vector<std::vector<int>> unconstrained;
+  for (std::int64_t bytes : {everyone, s.kv_memory}) {
+    BlockPool pool = make_pool(s, s.block_size, bytes, s.options.max_batch);
+    std::vector<RequestResult> results;
+    Progress progress(format_bytes(double(bytes)) + " pool");
+    const RunStats stats = serve(s.rt.model, pool, s.requests, s.options, results, progress.on_step());
+    if (unconstrained.empty()) unconstrained = outputs_of(results);
+    const int same = count_identical(results, unconstrained);
+    std::fprintf(stderr, "%10s, %5d blocks: %5d steps, %7.0f ms, %6.0f tokens/s, %4d preemptions, %6ld tokens recomputed; "
+                         "%d of %zu outputs identical to the unconstrained run\n", format_bytes(double(bytes)).c_str(),
+                 pool.blocks(), stats.steps, stats.wall_ms, stats.tokens_per_s(), stats.preemptions, stats.recomputed_tokens,
+                 same, results.size());
+    csv.row(bytes, pool.blocks(), stats.steps, stats.wall_ms, stats.tokens_per_s(), stats.preemptions, stats.recomputed_tokens, same);
+    if (same != static_cast<int>(results.size())) return 1;
+  }
+  csv.commit();
+  if (csv.enabled()) std::fprintf(stderr, "wrote %s\n", csv.path().c_str());
+  return 0;
+}
+
+int break_double_free(Setup& s) {
+  std::vector<RequestResult> expected_results;
+  {
+    BlockPool pool = make_pool(s, s.block_size, s.kv_memory, s.options.max_batch);
+    serve(s.rt.model, pool, s.requests, s.options, expected_results);
+  }
+  const std::vector<std::vector<int>> expected = outputs_of(expected_results);
+  // The same run, with the pool's double free armed once the first request has finished: the next block given
+  // back goes on the free list twice, and two later sequences that need a block are both handed it.
+  auto broken_run = [&](bool audit, int& armed_at, std::vector<RequestResult>& results) {
+    BlockPool pool = make_pool(s, s.block_size, s.kv_memory, s.options.max_batch);
+    SchedulerOptions options = s.options;
+    options.audit_blocks = audit;
+    armed_at = -1;
+    return serve(s.rt.model, pool, s.requests, options, results, [&](const RunStats& stats, int finished, int) {
+      if (finished > 0 && armed_at < 0) pool.break_double_free(), armed_at = stats.steps;
+    });
+  };
+  int armed_at = -1;
+  std::vector<RequestResult> results;
+  broken_run(false, armed_at, results);
+  std::fprintf(stderr, "the next block given back after step %d (the first request had finished) freed twice; blocks of %d "
+                       "positions, no audit:\n",
+               armed_at, s.block_size);
+  int victims = 0;
+  CsvWriter csv({"--csv", s.csv}, "request,first_different_token,output_tokens,arrival_step", s.rt.inputs());
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    if (results[i].output == expected[i]) continue;
+    std::size_t at = 0;
+    while (at < expected[i].size() && results[i].output[at] == expected[i][at]) ++at;
+    std::fprintf(stderr, "  request %zu: its output changes at token %zu of %zu\n", i, at, expected[i].size());
+    csv.row(i, at, expected[i].size(), s.requests[i].arrival_step);
+    if (victims++ == 0) {
+      std::printf("request %zu, prompt: %s\n  served correctly: %s\n  with the double free: %s\n", i,
+                  printable(s.requests[i].prompt).c_str(), printable(expected[i]).c_str(), printable(results[i].output).c_str());
+    }
+  }
+  std::fprintf(stderr, "%d of %zu requests got different text; checked against each request alone, as serve does, every one "
+                       "of them is caught\n", victims, results.size());
+  try {
+    broken_run(true, armed_at, results);
+    std::fprintf(stderr, "with the shipped audit on: the run finished without noticing (unexpected)\n");
+    return 1;
+  } catch (const std::logic_error& e) {
+    std::fprintf(stderr, "with the shipped audit on (check_block_ownership before every step), the run stops before "
+                         "anyone reads the block: %s\n", e.what());
+  }
+  csv.commit();
+  if (csv.enabled()) std::fprintf(stderr, "wrote %s\n", csv.path().c_str());
+  return 0;
+}
+
+}  // namespace kvs::ch08

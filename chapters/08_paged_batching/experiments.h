@@ -1,0 +1,37 @@
+#pragma once
+// Chapter 08's experiments (08_paged_batching --experiment NAME): each prints a table on stderr and, with
+// --csv, writes its rows.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime.h"
+#include "scheduler.h"
+#include "trace.h"
+
+namespace kvs::ch08 {
+
+struct Setup {
+  Runtime& rt;
+  std::vector<Request> requests;  // the trace (--trace or generated)
+  TraceShape shape;               // how a generated trace was drawn (throughput takes its lengths)
+  int block_size = 16;
+  std::int64_t kv_memory = 0;     // bytes of the block pool
+  SchedulerOptions options;
+  std::vector<int> batch_sizes, block_sizes;
+  std::string csv;
+};
+
+// A pool of as many blocks of `block_size` positions as `bytes` holds (UsageError when not even one).
+BlockPool make_pool(Setup& s, int block_size, std::int64_t bytes, int max_sequences);
+// The greedy tokens `request` gets alone, through chapter 03's preallocated cache: the reference.
+std::vector<int> alone(Runtime& rt, const Request& request);
+
+int serve_trace(Setup& s);        // serve the trace once; every output checked against the request alone
+int throughput(Setup& s);         // decode step time and tokens/s per batch size, against the roofline
+int memory_waste(Setup& s);       // reserved vs live K/V per block size, and a max-length reservation
+int batching(Setup& s);           // continuous vs static batching on one trace
+int preemption(Setup& s);         // a pool too small: preempt and recompute, outputs unchanged
+int break_double_free(Setup& s);  // a block freed twice: one request's keys in another's context
+
+}  // namespace kvs::ch08

@@ -1,0 +1,121 @@
+// Chapter 08 — many sequences at once: a paged KV cache, batched decoding and continuous batching.
+//
+// Requests (a trace file, or drawn from the held-out text) are served by a scheduler (scheduler.h) that runs
+// one batched forward pass a step over every running sequence, each reading and writing its own blocks of
+// one shared pool (paged_kv_cache.h). --experiment picks what to measure (experiments.h).
+#include <cstdio>
+#include <iostream>
+#include <string>
+
+#include "cli.h"
+#include "experiments.h"
+#include "runtime.h"
+
+int main(int argc, char** argv) {
+  kvs::CommonOptions options;
+  std::string experiment = "serve", trace_file, batching = "continuous", prompt_lengths = "16,256",
+              output_lengths = "16,128", batch_sizes = "1,2,4,8,16,32,64", block_sizes = "1,4,16,64,256";
+  kvs::ch08::TraceShape shape;
+  float mean_gap = 0;
+  std::uint64_t seed = 1;
+  int block_size = 16, max_batch = 64, token_budget = 256;
+  std::int64_t kv_memory = std::int64_t{32} << 20;
+  kvs::ArgParser parser(
+      "08_paged_batching",
+      "Chapter 08: many sequences at once. A scheduler serves a queue of requests with continuous batching:\n"
+      "every step is one forward pass over all running sequences (one token each, or a chunk of a prompt),\n"
+      "each with its own blocks of one shared, paged KV cache; requests join as blocks allow and leave when\n"
+      "done, and a sequence is preempted (its blocks freed, recomputed later) when the pool runs short.\n"
+      "--experiment: serve (default: serve the trace, then check every output against the request served\n"
+      "alone), throughput (decode step time and tokens/s per batch size, against the roofline), memory\n"
+      "(reserved vs live K/V per block size, and a max-length reservation), batching (continuous vs static),\n"
+      "preemption (a small pool: outputs unchanged, tokens recomputed), break (a block freed twice).\n"
+      "Requests: --trace FILE, " + std::string(kvs::ch08::kTraceFormat) + ";\n"
+      "or --requests N drawn from data/kjv/valid.txt (prompt and output lengths uniform in the given ranges,\n"
+      "arrival gaps exponential with mean --mean-gap steps, all fixed by --seed). Text goes to stdout, tables\n"
+      "and progress to stderr, one CSV per experiment with --csv (columns named in its header).");
+  kvs::add_common_flags(parser, options, "", kvs::CommonFlags::kModelOnly);
+  parser.add_string("--experiment", "NAME", "serve, throughput, memory, batching, preemption or break (default serve)", &experiment);
+  parser.add_string("--trace", "PATH", "read the requests from this file (format above)", &trace_file);
+  parser.add_int("--requests", "requests to draw from the held-out text (default 32)", &shape.count, 1, 100000);
+  parser.add_string("--prompt-lengths", "MIN,MAX", "prompt tokens of a drawn request (default 16,256)", &prompt_lengths);
+  parser.add_string("--output-lengths", "MIN,MAX", "new tokens of a drawn request (default 16,128)", &output_lengths);
+  parser.add_float("--mean-gap", "mean steps between two drawn requests' arrivals (default 0: all at once)", &mean_gap, 0, 1e6f);
+  parser.add_u64("--seed", "seed of the drawn requests (default 1)", &seed);
+  parser.add_int("--block-size", "positions per block of the cache (default 16)", &block_size, 1, 1 << 16);
+  parser.add_bytes("--kv-memory", "memory of the block pool, e.g. 64MiB (default 32MiB)", &kv_memory);
+  parser.add_string("--batching", "KIND", "continuous (default) or static", &batching);
+  parser.add_int("--max-batch", "sequences in one step (default 64)", &max_batch, 1, 4096);
+  parser.add_int("--token-budget", "tokens in one step, decode tokens and prompt chunks (default 256)", &token_budget, 1, 1 << 16);
+  parser.add_string("--batch-sizes", "LIST", "throughput: batch sizes (default 1,2,4,8,16,32,64)", &batch_sizes);
+  parser.add_string("--block-sizes", "LIST", "memory: block sizes besides the max-length reservation (default 1,4,16,64,256)",
+                    &block_sizes);
+  parser.add_check([&] {
+    for (const char* name : {"serve", "throughput", "memory", "batching", "preemption", "break"})
+      if (experiment == name) return std::string();
+    return "--experiment " + experiment + " is not one of serve, throughput, memory, batching, preemption, break";
+  });
+  parser.add_check([&] {
+    if (batching == "continuous" || batching == "static") return std::string();
+    return "--batching " + batching + " is not continuous or static";
+  });
+  parser.add_check([&] {
+    if (max_batch <= token_budget) return std::string();
+    return "--max-batch " + std::to_string(max_batch) + " exceeds --token-budget " + std::to_string(token_budget) +
+           ": every sequence of a step brings at least one token";
+  });
+  parser.add_check([&] {
+    if (trace_file.empty() || !(parser.given("--requests") || parser.given("--prompt-lengths") ||
+                                parser.given("--output-lengths") || parser.given("--mean-gap") || parser.given("--seed")))
+      return std::string();
+    return std::string("--trace gives the requests; --requests, --prompt-lengths, --output-lengths, --mean-gap and --seed "
+                       "draw them instead: give one or the other");
+  });
+  parser.parse(argc, argv);
+
+  return kvs::run_main(parser, [&] {
+    const auto prompts = kvs::parse_int_list("--prompt-lengths", prompt_lengths, 1, 1 << 20);
+    const auto outputs = kvs::parse_int_list("--output-lengths", output_lengths, 1, 1 << 20);
+    if (prompts.size() != 2 || prompts[0] > prompts[1] || outputs.size() != 2 || outputs[0] > outputs[1])
+      throw kvs::UsageError("--prompt-lengths and --output-lengths take MIN,MAX with MIN <= MAX");
+    shape.prompt_min = prompts[0], shape.prompt_max = prompts[1], shape.output_min = outputs[0], shape.output_max = outputs[1];
+    shape.mean_gap = mean_gap, shape.seed = seed;
+    const std::vector<int> batch_list = kvs::parse_int_list("--batch-sizes", batch_sizes, 1, 4096);
+    const std::vector<int> block_list = kvs::parse_int_list("--block-sizes", block_sizes, 1, 1 << 16);
+    int largest_batch = max_batch;
+    if (experiment == "throughput")
+      for (int b : batch_list) largest_batch = std::max(largest_batch, b);
+    if (experiment == "throughput" && largest_batch > token_budget)
+      throw kvs::UsageError("--batch-sizes up to " + std::to_string(largest_batch) + " exceed --token-budget " +
+                            std::to_string(token_budget) + ": raise the budget");
+
+    // The model's calls carry up to token_budget tokens; a sequence's attention reads up to the whole context.
+    // (The default prompt "x" is unused: requests bring their own.)
+    kvs::Runtime rt(options, "x", kvs::PromptFit::kCutByCaller, token_budget, -1);
+    const kvs::ModelConfig& c = rt.model.config();
+    rt.plan_kv_cache(kv_memory + kvs::kv_cache_bytes(c, c.seq_len));  // the pool, and chapter 03's cache for a check
+    std::vector<kvs::ch08::Request> requests;
+    if (!trace_file.empty()) {
+      requests = kvs::ch08::parse_trace(kvs::read_input_file("--trace", trace_file, std::size_t{64} << 20), trace_file);
+    } else {
+      const std::string text = kvs::read_input_file("held-out text", kvs::find_data_file("kjv/valid.txt"), std::size_t{64} << 20);
+      requests = kvs::ch08::generate_trace(text, shape);
+    }
+    kvs::ch08::Setup setup{.rt = rt, .requests = requests, .shape = shape, .block_size = block_size, .kv_memory = kv_memory,
+                           .options = {.batching = batching == "static" ? kvs::ch08::Batching::kStatic
+                                                                        : kvs::ch08::Batching::kContinuous,
+                                       .max_batch = max_batch, .token_budget = token_budget},
+                           .batch_sizes = batch_list, .block_sizes = block_list, .csv = options.csv};
+    std::cerr << rt.describe() << "\n";
+    try {
+      if (experiment == "throughput") return kvs::ch08::throughput(setup);
+      if (experiment == "memory") return kvs::ch08::memory_waste(setup);
+      if (experiment == "batching") return kvs::ch08::batching(setup);
+      if (experiment == "preemption") return kvs::ch08::preemption(setup);
+      if (experiment == "break") return kvs::ch08::break_double_free(setup);
+      return kvs::ch08::serve_trace(setup);
+    } catch (const std::invalid_argument& e) {  // a request that can never fit: the command line's to fix
+      throw kvs::UsageError(e.what());
+    }
+  });
+}

@@ -1,0 +1,174 @@
+#pragma once
+// Chapter 08's cache: a pool of fixed-size blocks shared by every sequence a server runs (vLLM's
+// PagedAttention). The pool is allocated once, for the budget the run is given; a sequence takes a block when
+// its next position needs one and gives every block back when it finishes (or is preempted). Its block table
+// says where each of its blocks sits: position p in physical row table[p / block_size] · block_size +
+// p % block_size (common/block_table.h), which the cache write and attention both compute.
+//
+// Why blocks: a cache preallocated per sequence (chapter 03) must reserve the longest sequence it might
+// hold, and holds it until the sequence ends; a paged sequence holds at most block_size - 1 positions it does
+// not use (the tail of its last block). A block size equal to the model's context is that per-sequence
+// reservation again: one block a sequence, of every position it might ever need.
+//
+// Layout: [layer][K or V][physical row][kv_dim], rows = blocks · block_size: a block's rows are consecutive,
+// so attention reads a block as it reads chapter 03's buffer; the blocks of one sequence are anywhere.
+// Block tables live in backend memory too, one row of max_blocks_per_sequence entries per sequence slot.
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "block_table.h"
+#include "config.h"
+#include "kv_cache.h"
+
+namespace kvs::ch08 {
+
+class BlockPool {
+ public:
+  // `blocks` blocks of `block_size` positions, for up to `max_sequences` sequences at once of up to
+  // `max_positions` positions each. Throws std::invalid_argument for sizes that make no pool.
+  BlockPool(Backend& backend, const ModelConfig& config, int blocks, int block_size, int max_sequences,
+            int max_positions)
+      : backend_(backend),
+        kv_dim_(config.kv_dim()),
+        n_layers_(config.n_layers),
+        blocks_(check_positive("blocks", blocks)),
+        block_size_(check_positive("block size", block_size)),
+        table_width_(blocks_needed(check_positive("positions per sequence", max_positions), block_size)),
+        storage_(backend, std::size_t(config.n_layers) * 2 * blocks * block_size * config.kv_dim()),
+        tables_(backend, std::size_t(check_positive("sequences", max_sequences)) * table_width_) {
+    for (int b = blocks - 1; b >= 0; --b) free_blocks_.push_back(b);  // taken from the back: block 0 first
+    for (int s = max_sequences - 1; s >= 0; --s) free_tables_.push_back(s);
+  }
+  BlockPool(const BlockPool&) = delete;
+
+  // A free block, or -1 when none is left.
+  int take_block() {
+    if (free_blocks_.empty()) return -1;
+    const int block = free_blocks_.back();
+    free_blocks_.pop_back();
+    return block;
+  }
+  void give_back_block(int block) {
+    free_blocks_.push_back(block);
+    if (double_free_next_) free_blocks_.push_back(block), double_free_next_ = false;  // the bug: see break_double_free
+  }
+  // Chapter 08's break experiment, a classic allocator bug: the next block given back goes on the free list
+  // twice, so two later requests are both handed it, each believing it is its own. Nothing else changes.
+  void break_double_free() { double_free_next_ = true; }
+  // A free row of the backend's block tables (a sequence slot), or -1.
+  int take_table() {
+    if (free_tables_.empty()) return -1;
+    const int table = free_tables_.back();
+    free_tables_.pop_back();
+    return table;
+  }
+  void give_back_table(int table) { free_tables_.push_back(table); }
+
+  int blocks() const { return blocks_; }
+  int free_blocks() const { return static_cast<int>(free_blocks_.size()); }
+  const std::vector<int>& free_list() const { return free_blocks_; }
+  int used_blocks() const { return blocks_ - free_blocks(); }
+  int block_size() const { return block_size_; }
+  int table_width() const { return table_width_; }  // blocks one sequence may hold
+  int kv_dim() const { return kv_dim_; }
+  int n_layers() const { return n_layers_; }
+  Backend& backend() { return backend_; }
+  // A layer's keys (kv = 0) or values (kv = 1): (blocks · block_size, kv_dim) rows.
+  float* rows(int layer, int kv) { return storage_.data() + (std::size_t(layer) * 2 + kv) * blocks_ * block_size_ * kv_dim_; }
+  // Row `table` of the block tables in backend memory: (table_width) physical block ids.
+  int* table(int table) { return tables_.data() + std::size_t(table) * table_width_; }
+  // The keys and values of every block: 2 · layers · kv_heads · head_dim · blocks · block_size · 4 bytes.
+  std::int64_t allocated_bytes() const { return std::int64_t(storage_.size()) * sizeof(float); }
+  std::int64_t bytes_per_position() const { return std::int64_t{2} * n_layers_ * kv_dim_ * sizeof(float); }
+
+ private:
+  static int check_positive(const char* what, int value) {
+    if (value < 1) throw std::invalid_argument(std::string("BlockPool: ") + what + " must be at least 1, not " + std::to_string(value));
+    return value;
+  }
+  Backend& backend_;
+  int kv_dim_, n_layers_, blocks_, block_size_, table_width_;
+  Buffer storage_;                 // (layers, 2, blocks · block_size, kv_dim)
+  IntBuffer tables_;               // (max_sequences, table_width) block ids
+  std::vector<int> free_blocks_;   // a stack: the block given back last is taken first
+  std::vector<int> free_tables_;
+  bool double_free_next_ = false;
+};
+
+// One sequence's cache: its block table over the pool. Positions are appended in order from 0 (a sequence
+// that must start again - preempted - gets a new PagedSequence). Blocks are taken in prepare(), never in a
+// layer's write; running out is std::runtime_error there, which a scheduler never lets happen (it checks
+// free_blocks() first: blocks_to_grow).
+class PagedSequence final : public KvCache {
+ public:
+  explicit PagedSequence(BlockPool& pool) : pool_(pool), table_(pool.take_table()) {
+    if (table_ < 0) throw std::runtime_error("PagedSequence: every sequence slot of the pool is in use");
+    blocks_.reserve(pool.table_width());  // the decode loop never allocates
+  }
+  ~PagedSequence() override { release(); }
+  PagedSequence(const PagedSequence&) = delete;
+
+  // Blocks a call over `n` more positions must take from the pool.
+  int blocks_to_grow(int n) const { return blocks_needed(length_ + n, pool_.block_size()) - static_cast<int>(blocks_.size()); }
+
+  void prepare(int pos, int n) override {
+    if (table_ < 0) throw std::logic_error("PagedSequence: prepare after release");
+    if (pos != length_)
+      throw std::invalid_argument("PagedSequence: position " + std::to_string(pos) + " after " + std::to_string(length_) +
+                                  " cached positions; a paged sequence appends");
+    const int needed = blocks_needed(pos + n, pool_.block_size());
+    if (needed > pool_.table_width())
+      throw std::invalid_argument("PagedSequence: " + std::to_string(pos + n) + " positions exceed the " +
+                                  std::to_string(pool_.table_width() * pool_.block_size()) + " a sequence of this pool may hold");
+    const int first_new = static_cast<int>(blocks_.size());
+    while (static_cast<int>(blocks_.size()) < needed) {
+      const int block = pool_.take_block();
+      if (block < 0) throw std::runtime_error("PagedSequence: the pool has no free block (the scheduler should have preempted)");
+      blocks_.push_back(block);
+    }
+    if (needed > first_new)  // the new entries of the table, into backend memory where attention reads them
+      pool_.backend().from_host(pool_.table(table_) + first_new, blocks_.data() + first_new, std::size_t(needed - first_new));
+    length_ = pos + n;
+  }
+
+  void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) override {
+    check_write("PagedSequence", layer, pool_.n_layers(), pos, n, length_);
+    const BlockTable table{pool_.table(table_), pool_.block_size()};
+    pool_.backend().write_paged_rows(pool_.rows(layer, 0), pool_.kv_dim(), positions, table, k, n, pool_.kv_dim());
+    pool_.backend().write_paged_rows(pool_.rows(layer, 1), pool_.kv_dim(), positions, table, v, n, pool_.kv_dim());
+  }
+
+  // Rows 0 .. length-1 = positions 0 .. length-1, through the block table.
+  KvView view(int layer) const override {
+    BlockPool& pool = pool_;
+    return KvView{.keys = pool.rows(layer, 0), .values = pool.rows(layer, 1), .rows = length_,
+                  .row_stride = pool.kv_dim(), .paged = BlockTable{pool.table(table_), pool.block_size()}};
+  }
+  int length() const override { return length_; }
+  KvRow row(int layer, int position) override {
+    if (layer < 0 || layer >= pool_.n_layers() || position < 0 || position >= length_)
+      throw row_error("PagedSequence", layer, position, "it holds positions 0.." + std::to_string(length_ - 1));
+    const std::size_t at = std::size_t(BlockTable{blocks_.data(), pool_.block_size()}.physical_row(position)) * pool_.kv_dim();
+    return {pool_.rows(layer, 0) + at, pool_.rows(layer, 1) + at};
+  }
+
+  // Every block and the table slot back to the pool; the sequence holds nothing afterwards.
+  void release() {
+    for (int block : blocks_) pool_.give_back_block(block);
+    blocks_.clear();
+    if (table_ >= 0) pool_.give_back_table(table_);
+    table_ = -1, length_ = 0;
+  }
+  const std::vector<int>& blocks() const { return blocks_; }  // the host copy of the block table
+
+ private:
+  BlockPool& pool_;
+  int table_;               // this sequence's row of the pool's block tables; -1 once released
+  std::vector<int> blocks_; // (blocks held) physical block ids, host copy
+  int length_ = 0;
+};
+
+}  // namespace kvs::ch08

@@ -1,0 +1,196 @@
+#include "scheduler.h"
+
+#include <algorithm>
+#include <deque>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "sampler.h"
+#include "timing.h"
+
+namespace kvs::ch08 {
+namespace {
+
+// A request the scheduler has admitted: its cache, and the tokens to feed - the prompt, then every token
+// it generated (after a preemption the cache is rebuilt from all of them).
+struct Running {
+  int request;
+  std::unique_ptr<PagedSequence> cache;
+  std::vector<int> tokens;  // prompt + output so far
+  int fed = 0;              // tokens[0, fed) are in the cache
+  int take = 0;             // tokens this step feeds
+  int pending() const { return static_cast<int>(tokens.size()) - fed; }
+};
+
+void check_requests(const Model& model, const BlockPool& pool, const std::vector<Request>& requests,
+                    const SchedulerOptions& options) {
+  if (options.max_batch < 1 || options.token_budget < 1)
+    throw std::invalid_argument("serve: a step needs room for at least one sequence and one token");
+  if (options.token_budget > model.max_tokens_per_call() || options.max_batch > model.max_tokens_per_call())
+    throw std::invalid_argument("serve: a step of " + std::to_string(options.token_budget) + " tokens and " +
+                                std::to_string(options.max_batch) + " sequences; the model was set up for calls of " +
+                                std::to_string(model.max_tokens_per_call()) + " tokens");
+  const int per_sequence = std::min(pool.table_width() * pool.block_size(), pool.blocks() * pool.block_size());
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    const Request& r = requests[i];
+    const long positions = long(r.prompt.size()) + r.max_new_tokens;
+    const std::string which = "request " + std::to_string(i) + " (" + std::to_string(r.prompt.size()) + "-token prompt, " +
+                              std::to_string(r.max_new_tokens) + " new tokens)";
+    if (r.prompt.empty() || r.max_new_tokens < 1 || r.arrival_step < 0)
+      throw std::invalid_argument("serve: " + which + " needs a prompt, at least one new token and an arrival step >= 0");
+    if (positions > model.config().seq_len || positions > model.max_kv_rows())
+      throw std::invalid_argument("serve: " + which + " needs " + std::to_string(positions) + " positions, past the " +
+                                  std::to_string(std::min(model.config().seq_len, model.max_kv_rows())) +
+                                  " this model serves");
+    if (positions > per_sequence)
+      throw std::invalid_argument("serve: " + which + " needs " + std::to_string(positions) +
+                                  " positions of cache; the pool holds at most " + std::to_string(per_sequence) +
+                                  " for one sequence: give it more memory");
+  }
+}
+
+}  // namespace
+
+void check_block_ownership(const BlockPool& pool, const std::vector<const PagedSequence*>& sequences) {
+  std::vector<int> holders(pool.blocks(), 0);  // free-list entries and table entries per block
+  auto hold = [&](int block, const std::string& by) {
+    if (block < 0 || block >= pool.blocks() || ++holders[block] > 1)
+      throw std::logic_error("block " + std::to_string(block) + " is handed out twice (" + by +
+                             "): two sequences would write each other's keys and values");
+  };
+  for (int block : pool.free_list()) hold(block, "the free list");
+  for (std::size_t s = 0; s < sequences.size(); ++s)
+    for (int block : sequences[s]->blocks()) hold(block, "the block table of running sequence " + std::to_string(s));
+}
+
+RunStats serve(Model& model, BlockPool& pool, const std::vector<Request>& requests, const SchedulerOptions& options,
+               std::vector<RequestResult>& results, const OnStep& on_step) {
+  check_requests(model, pool, requests, options);
+  const int count = static_cast<int>(requests.size());
+  results.assign(requests.size(), RequestResult{});
+  std::vector<int> arrival_order(requests.size());  // requests by arrival step, ties in file order
+  for (int i = 0; i < count; ++i) arrival_order[i] = i;
+  std::stable_sort(arrival_order.begin(), arrival_order.end(),
+                   [&](int a, int b) { return requests[a].arrival_step < requests[b].arrival_step; });
+
+  RunStats stats;
+  std::deque<int> waiting;              // request ids; a preempted one goes back to the front
+  std::vector<std::vector<int>> resume(requests.size());  // a preempted request's tokens so far
+  std::vector<Running> running;         // in admission order
+  std::vector<SequenceStep> batch;      // this step's forward pass
+  batch.reserve(options.max_batch);
+  std::vector<const PagedSequence*> audited;
+  int next_arrival = 0, finished = 0;
+  const Stopwatch clock;
+
+  for (int step = 0; finished < count; ++step) {
+    const double step_start = clock.milliseconds();
+    while (next_arrival < count && requests[arrival_order[next_arrival]].arrival_step <= step) {
+      results[arrival_order[next_arrival]].arrival_ms = step_start;
+      waiting.push_back(arrival_order[next_arrival++]);
+    }
+    if (running.empty() && waiting.empty()) {  // an idle server: the clock jumps to the next arrival
+      step = requests[arrival_order[next_arrival]].arrival_step - 1;
+      continue;
+    }
+
+    if (options.audit_blocks) {
+      audited.clear();
+      for (const Running& s : running) audited.push_back(s.cache.get());
+      check_block_ownership(pool, audited);
+    }
+    // 2. the running sequences' tokens, preempting from the most recently admitted while blocks are short.
+    int budget = options.token_budget, free_blocks = pool.free_blocks();
+    auto preempt_last = [&] {
+      Running& victim = running.back();
+      free_blocks += static_cast<int>(victim.cache->blocks().size());
+      stats.recomputed_tokens += victim.fed;
+      ++stats.preemptions, ++results[victim.request].preemptions;
+      resume[victim.request] = std::move(victim.tokens);
+      waiting.push_front(victim.request);
+      running.pop_back();  // the cache gives its blocks back as it goes
+    };
+    for (std::size_t i = 0; i < running.size(); ++i) {
+      Running& s = running[i];
+      s.take = std::min(s.pending(), budget);
+      const int needed = s.cache->blocks_to_grow(s.take);
+      while (needed > free_blocks && i + 1 < running.size()) preempt_last();
+      if (needed > free_blocks) {  // it is the last one admitted: it waits itself
+        preempt_last();
+        break;
+      }
+      free_blocks -= needed, budget -= s.take;
+    }
+    // 3. admissions
+    const bool may_admit = options.batching == Batching::kContinuous || running.empty();
+    while (may_admit && !waiting.empty() && static_cast<int>(running.size()) < options.max_batch && budget > 0) {
+      const int r = waiting.front();
+      std::vector<int> tokens = resume[r].empty() ? requests[r].prompt : std::move(resume[r]);
+      if (blocks_needed(static_cast<int>(tokens.size()), pool.block_size()) > free_blocks) {
+        resume[r] = std::move(tokens);  // (a preempted request keeps its place and its tokens)
+        break;
+      }
+      waiting.pop_front();
+      Running s{r, std::make_unique<PagedSequence>(pool), std::move(tokens)};
+      s.tokens.reserve(requests[r].prompt.size() + requests[r].max_new_tokens);
+      s.take = std::min(s.pending(), budget);
+      free_blocks -= s.cache->blocks_to_grow(s.take), budget -= s.take;
+      running.push_back(std::move(s));
+    }
+    stats.idle_slot_steps += std::min<long>(options.max_batch - long(running.size()), long(waiting.size()));
+    stats.slot_steps += options.max_batch;
+
+    // 4. one forward pass over every sequence with tokens this step, then sampling.
+    batch.clear();
+    for (Running& s : running)
+      if (s.take > 0) batch.push_back(SequenceStep{std::span<const int>(s.tokens).subspan(s.fed, s.take), s.fed, s.cache.get()});
+    if (batch.empty()) throw std::logic_error("serve: a step with nothing to run");
+    const std::span<const float> logits = model.forward(batch);
+    const int vocab = model.config().vocab_size;
+    int row = 0;
+    for (Running& s : running) {
+      if (s.take == 0) continue;
+      const bool was_prefill = s.pending() > 1 || results[s.request].output.empty();
+      if (was_prefill) stats.prefill_tokens += s.take;
+      s.fed += s.take;
+      const std::span<const float> own = logits.subspan(std::size_t(row++) * vocab, vocab);
+      if (s.pending() > 0) continue;  // the rest of its prompt comes in later steps
+      const int token = argmax(own);
+      s.tokens.push_back(token);
+      RequestResult& result = results[s.request];
+      if (result.output.empty()) result.first_token_ms = clock.milliseconds(), result.output.reserve(requests[s.request].max_new_tokens);
+      result.output.push_back(token);
+      ++stats.generated_tokens;
+    }
+    stats.step_sequences.push_back(static_cast<int>(batch.size()));
+    int tokens = 0;
+    for (const SequenceStep& s : batch) tokens += static_cast<int>(s.tokens.size());
+    stats.step_tokens.push_back(tokens);
+    stats.peak_running = std::max(stats.peak_running, static_cast<int>(batch.size()));
+    stats.peak_used_blocks = std::max(stats.peak_used_blocks, pool.used_blocks());
+    long live = 0;
+    for (const Running& s : running) live += s.cache->length();
+    stats.live_position_steps += double(live);
+    stats.reserved_position_steps += double(pool.used_blocks()) * pool.block_size();
+    // retire the finished ones
+    const double now = clock.milliseconds();
+    for (std::size_t i = 0; i < running.size();) {
+      RequestResult& result = results[running[i].request];
+      if (static_cast<int>(result.output.size()) < requests[running[i].request].max_new_tokens) {
+        ++i;
+        continue;
+      }
+      result.finish_ms = now;
+      ++finished;
+      running.erase(running.begin() + static_cast<long>(i));  // its cache gives the blocks back
+    }
+    stats.step_ms.push_back(now - step_start);
+    ++stats.steps;
+    stats.wall_ms = now;
+    if (on_step) on_step(stats, finished, count);
+  }
+  return stats;
+}
+
+}  // namespace kvs::ch08

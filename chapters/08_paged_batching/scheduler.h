@@ -1,0 +1,91 @@
+#pragma once
+// Chapter 08's scheduler: continuous batching over a paged cache (Orca's iteration-level scheduling, vLLM's
+// block manager), and static batching as the comparison.
+//
+// Every step is one batched forward pass (Model::forward over several sequences):
+//   1. requests that have arrived join the waiting queue;
+//   2. every running sequence gets its next tokens: one for a sequence that is decoding, a chunk of its
+//      prompt for one that is prefilling (the step's token budget caps the tokens of a step, so a long
+//      prompt cannot stall everyone else's next token). If the pool has too few free blocks for them, the
+//      most recently admitted sequence is preempted: its blocks go back to the pool and it waits at the front
+//      of the queue, to be recomputed (its prompt and the tokens it had generated, prefilled again) when
+//      blocks are free - what vLLM does by default;
+//   3. continuous batching admits waiting requests into the same step while sequence slots, the token budget
+//      and free blocks allow (a whole prompt's blocks must be free); static batching admits a batch only when
+//      the previous one has completely finished;
+//   4. each sequence whose prompt is all in the cache samples its next token (greedy); a sequence that has
+//      its max_new_tokens finishes and gives its blocks back.
+// Steps are the clock requests arrive by (Request::arrival_step); wall times are measured.
+#include <functional>
+#include <vector>
+
+#include "model.h"
+#include "paged_kv_cache.h"
+
+namespace kvs::ch08 {
+
+struct Request {
+  std::vector<int> prompt;  // token ids (bytes)
+  int max_new_tokens = 1;   // >= 1
+  int arrival_step = 0;     // the scheduler knows the request from this step on
+};
+
+enum class Batching { kContinuous, kStatic };
+inline const char* to_string(Batching b) { return b == Batching::kContinuous ? "continuous" : "static"; }
+
+struct SchedulerOptions {
+  Batching batching = Batching::kContinuous;
+  int max_batch = 64;      // sequences in one step
+  int token_budget = 256;  // tokens in one step, decode tokens and prefill chunks together
+  // Before every step, check that each block of the pool is either free or held by exactly one sequence
+  // (check_block_ownership); off only to watch chapter 08's break experiment do its damage.
+  bool audit_blocks = true;
+};
+
+// Throws std::logic_error naming the block when a block is free twice, free and held, or held by two
+// sequences (or twice by one): what a double free or a stale block table looks like from the pool.
+void check_block_ownership(const BlockPool& pool, const std::vector<const PagedSequence*>& sequences);
+
+struct RequestResult {
+  std::vector<int> output;  // the generated tokens
+  double arrival_ms = 0, first_token_ms = 0, finish_ms = 0;  // wall clock from the start of the run
+  int preemptions = 0;
+  double time_to_first_token_ms() const { return first_token_ms - arrival_ms; }
+  double latency_ms() const { return finish_ms - arrival_ms; }
+  // Time per output token after the first.
+  double time_per_output_token_ms() const {
+    return output.size() > 1 ? (finish_ms - first_token_ms) / double(output.size() - 1) : 0.0;
+  }
+};
+
+struct RunStats {
+  int steps = 0;                 // forward passes
+  long generated_tokens = 0;     // sampled tokens
+  long prefill_tokens = 0;       // prompt tokens put through the model, recomputed ones included
+  long recomputed_tokens = 0;    // of those, tokens a preempted sequence had cached before
+  int preemptions = 0;
+  int peak_running = 0;          // the most sequences in one step
+  int peak_used_blocks = 0;
+  double wall_ms = 0;
+  std::vector<double> step_ms;   // (steps) each forward pass and its sampling
+  std::vector<int> step_sequences;  // (steps) sequences in the step
+  std::vector<int> step_tokens;     // (steps) tokens in the step (= sequences: every one decoding)
+  // Summed over steps, after each step: positions in blocks handed out (reserved) and positions holding
+  // K/V (live). reserved - live is the internal fragmentation: the unused tails of last blocks.
+  double reserved_position_steps = 0, live_position_steps = 0;
+  long idle_slot_steps = 0;      // sequence slots left empty while an arrived request waited
+  long slot_steps = 0;           // max_batch · steps
+  double tokens_per_s() const { return wall_ms > 0 ? 1000.0 * generated_tokens / wall_ms : 0.0; }
+};
+
+// After every step: the run so far, and how many requests have finished.
+using OnStep = std::function<void(const RunStats& stats, int finished, int requests)>;
+
+// Serves `requests` through `model` with the cache in `pool`, writes each request's result (same order), and
+// returns the run's statistics. A request the pool or the model can never hold (its prompt plus
+// max_new_tokens exceeds the positions one sequence of the pool may have, the pool's blocks, or the model's
+// context) is refused before anything runs: std::invalid_argument naming it.
+RunStats serve(Model& model, BlockPool& pool, const std::vector<Request>& requests, const SchedulerOptions& options,
+               std::vector<RequestResult>& results, const OnStep& on_step = {});
+
+}  // namespace kvs::ch08

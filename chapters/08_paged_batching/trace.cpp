@@ -1,0 +1,80 @@
+#include "trace.h"
+
+#include <random>
+#include <sstream>
+#include <stdexcept>
+
+#include "tokenizer.h"
+
+namespace kvs::ch08 {
+
+const char* const kTraceFormat =
+    "one request a line, \"ARRIVAL_STEP MAX_NEW_TOKENS PROMPT\": the prompt is the rest of the line after one\n"
+    "space (\\n in it is a newline, \\\\ a backslash); empty lines and lines starting with # are skipped";
+
+std::vector<Request> parse_trace(const std::string& text, const std::string& name) {
+  std::vector<Request> requests;
+  std::istringstream lines(text);
+  std::string line;
+  for (int number = 1; std::getline(lines, line); ++number) {
+    if (line.empty() || line[0] == '#') continue;
+    auto fail = [&](const std::string& what) {
+      return std::runtime_error(name + ":" + std::to_string(number) + ": " + what + "; expected " +
+                                "ARRIVAL_STEP MAX_NEW_TOKENS PROMPT");
+    };
+    std::size_t at = 0;
+    auto number_field = [&](const char* what, long max) {
+      const std::size_t end = line.find(' ', at);
+      const std::string field = line.substr(at, end == std::string::npos ? std::string::npos : end - at);
+      if (field.empty() || field.find_first_not_of("0123456789") != std::string::npos || field.size() > 9 ||
+          std::stol(field) > max)
+        throw fail(std::string(what) + " \"" + field + "\" is not a whole number from 0 to " + std::to_string(max));
+      at = end == std::string::npos ? line.size() : end + 1;
+      return static_cast<int>(std::stol(field));
+    };
+    Request r;
+    r.arrival_step = number_field("ARRIVAL_STEP", 1 << 24);
+    r.max_new_tokens = number_field("MAX_NEW_TOKENS", 1 << 20);
+    if (r.max_new_tokens < 1) throw fail("MAX_NEW_TOKENS must be at least 1");
+    std::string prompt;
+    for (std::size_t i = at; i < line.size(); ++i) {
+      if (line[i] != '\\') {
+        prompt += line[i];
+        continue;
+      }
+      if (i + 1 < line.size() && line[i + 1] == 'n') prompt += '\n';
+      else if (i + 1 < line.size() && line[i + 1] == '\\') prompt += '\\';
+      else throw fail("a backslash not followed by n or \\");
+      ++i;
+    }
+    if (prompt.empty()) throw fail("the prompt is empty");
+    r.prompt = encode_bytes(prompt);
+    requests.push_back(std::move(r));
+  }
+  if (requests.empty()) throw std::runtime_error(name + " holds no request (" + kTraceFormat + ")");
+  return requests;
+}
+
+std::vector<Request> generate_trace(const std::string& text, const TraceShape& shape) {
+  if (text.size() <= std::size_t(shape.prompt_max))
+    throw std::runtime_error("the text to cut prompts from is shorter than the longest prompt");
+  std::mt19937_64 random(shape.seed);
+  std::uniform_int_distribution<int> prompt_length(shape.prompt_min, shape.prompt_max);
+  std::uniform_int_distribution<int> output_length(shape.output_min, shape.output_max);
+  std::uniform_int_distribution<std::size_t> offset(0, text.size() - shape.prompt_max - 1);
+  std::exponential_distribution<double> gap(shape.mean_gap > 0 ? 1.0 / shape.mean_gap : 1.0);
+  std::vector<Request> requests;
+  double arrival = 0;
+  for (int i = 0; i < shape.count; ++i) {
+    Request r;
+    const int length = prompt_length(random);
+    r.prompt = encode_bytes(std::string_view(text).substr(offset(random), length));
+    r.max_new_tokens = output_length(random);
+    if (shape.mean_gap > 0 && i > 0) arrival += gap(random);
+    r.arrival_step = static_cast<int>(arrival);
+    requests.push_back(std::move(r));
+  }
+  return requests;
+}
+
+}  // namespace kvs::ch08
