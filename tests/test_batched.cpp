@@ -1,0 +1,317 @@
+// Chapter 08: the block-table arithmetic, the paged view against the reference attention, position-tagged K/V
+// through reused blocks, the batched forward pass against each sequence alone, and the scheduler's outputs
+// (continuous batching, joins and leaves, preemption) against each request served alone.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "03_preallocated_cache/preallocated_kv_cache.h"
+#include "08_paged_batching/paged_kv_cache.h"
+#include "08_paged_batching/scheduler.h"
+#include "08_paged_batching/trace.h"
+#include "block_table.h"
+#include "generate.h"
+#include "reference_attention.h"
+#include "test_backends.h"
+#include "test_util.h"
+#include "tokenizer.h"
+
+using namespace kvs;
+using namespace kvs::ch08;
+
+namespace {
+
+// The greedy tokens `request` gets alone through chapter 03's preallocated cache.
+std::vector<int> alone(Model& model, const Request& request) {
+  ch03::PreallocatedKvCache cache(model.backend(), model.config(), int(request.prompt.size()) + request.max_new_tokens);
+  Sampler greedy(model.config().vocab_size, SamplerSettings{});
+  const Generation g = generate_cached(model, cache, greedy, request.prompt, request.max_new_tokens);
+  return {g.tokens.begin() + long(request.prompt.size()), g.tokens.end()};
+}
+
+// A host block table whose blocks are out of order, for `rows` rows.
+std::vector<int> shuffled_blocks(int rows, int block_size, std::mt19937& gen) {
+  std::vector<int> blocks(blocks_needed(rows, block_size) + 2);  // two more in the pool than the table uses
+  std::iota(blocks.begin(), blocks.end(), 0);
+  std::shuffle(blocks.begin(), blocks.end(), gen);
+  blocks.resize(blocks_needed(rows, block_size));
+  return blocks;
+}
+
+}  // namespace
+
+TEST_CASE("block table: each position's physical row and each run's end, by brute force, across block boundaries") {
+  std::mt19937 gen(3);
+  for (int block_size : {1, 3, 16}) {
+    CAPTURE(block_size);
+    const int rows = 5 * block_size + 1;  // ends one past a boundary
+    const std::vector<int> blocks = shuffled_blocks(rows, block_size, gen);
+    const BlockTable table{blocks.data(), block_size};
+    CHECK(blocks_needed(rows, block_size) == 6);
+    CHECK(blocks_needed(5 * block_size, block_size) == 5);
+    std::vector<int> owner;  // physical row -> position, by walking the blocks one row at a time
+    for (int p = 0; p < rows; ++p) {
+      CAPTURE(p);
+      const int block = blocks[p / block_size];
+      CHECK(table.physical_row(p) == block * block_size + p % block_size);
+      // A run never crosses a block, and reaches its block's end (or the end asked for).
+      const int end = table.run_end(p, rows);
+      CHECK(end > p);
+      CHECK(end <= rows);
+      CHECK((end == rows || end % block_size == 0));
+      CHECK((end - 1) / block_size == p / block_size);
+      owner.push_back(table.physical_row(p));
+    }
+    std::sort(owner.begin(), owner.end());
+    CHECK(std::adjacent_find(owner.begin(), owner.end()) == owner.end());  // no two positions share a row
+  }
+}
+
+// Paged views of `rows` positions, blocks shuffled, NaN in every row no position holds (the tail of the last
+// block, the two spare blocks); attention over them against the reference, decode and prefill, every backend.
+TEST_CASE("paged attention: equals the reference attention over the same view, NaN in unused rows, every backend") {
+  const AttentionShape shape{4, 2, 8};
+  const int kv_dim = shape.n_kv_heads * shape.head_dim;
+  test::for_each_backend(test::test_backend_names(), [&](Backend& backend) {
+    std::mt19937 gen(11);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (int block_size : {1, 3, 16})
+      for (int rows : {block_size * 4, block_size * 4 + 1, 37}) {
+        CAPTURE(block_size);
+        CAPTURE(rows);
+        const std::vector<int> blocks = shuffled_blocks(rows, block_size, gen);
+        const int pool_rows = (blocks_needed(rows, block_size) + 2) * block_size;
+        std::vector<float> keys(std::size_t(pool_rows) * kv_dim, NAN), values(keys.size(), NAN);
+        const BlockTable host_table{blocks.data(), block_size};
+        for (int p = 0; p < rows; ++p)
+          for (int j = 0; j < kv_dim; ++j) {
+            keys[std::size_t(host_table.physical_row(p)) * kv_dim + j] = normal(gen);
+            values[std::size_t(host_table.physical_row(p)) * kv_dim + j] = normal(gen);
+          }
+        const Buffer d_keys = test::to_backend(backend, keys), d_values = test::to_backend(backend, values);
+        IntBuffer d_blocks(backend, blocks.size());
+        backend.from_host(d_blocks.data(), blocks.data(), blocks.size());
+        const KvView view{.keys = d_keys.data(), .values = d_values.data(), .rows = rows, .row_stride = kv_dim,
+                          .paged = BlockTable{d_blocks.data(), block_size}};
+        const KvView host_view{.keys = keys.data(), .values = values.data(), .rows = rows, .row_stride = kv_dim,
+                               .paged = host_table};
+        for (int n : {1, 5}) {  // a decode step at the last position; a prefill chunk ending there
+          CAPTURE(n);
+          const int pos = rows - n;
+          std::vector<float> q(std::size_t(n) * shape.n_heads * shape.head_dim);
+          for (float& x : q) x = normal(gen);
+          std::vector<float> expected(q.size());
+          test::reference_attention(expected.data(), q.data(), pos, n, host_view, shape);
+          const Buffer d_q = test::to_backend(backend, q);
+          Buffer d_out(backend, q.size()), scratch(backend, backend.attention_scratch_floats(shape, rows));
+          const IntBuffer positions = consecutive_positions(backend, pos, n);
+          backend.attention(d_out.data(), d_q.data(), positions.data(), n, view, shape, {scratch.data(), scratch.size()}, nullptr);
+          const std::vector<float> out = test::from_backend(backend, d_out);
+          float worst = 0;
+          for (std::size_t i = 0; i < out.size(); ++i) worst = std::isfinite(out[i]) ? std::max(worst, std::abs(out[i] - expected[i])) : INFINITY;
+          CHECK(worst < 1e-5f);  // float sums against the reference's doubles over <= 65 rows of head_dim 8
+        }
+      }
+  });
+}
+
+// Keys all zero, so every visible row weighs the same and the output is the mean of the visible values; value
+// row = its request's tag · 1000 + its position. A query of request B at position p must get exactly
+// B·1000 + p/2: any row of another request, or a stale row of a block's previous owner, moves it.
+TEST_CASE("paged sequences: blocks freed and reused by another request; each query sees only its own positions") {
+  const ModelConfig c{.dim = 16, .hidden_dim = 32, .n_layers = 2, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 256,
+                      .seq_len = 64};
+  const AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim()};
+  test::for_each_backend(test::test_backend_names(), [&](Backend& backend) {
+    for (int block_size : {1, 3, 16}) {
+      CAPTURE(block_size);
+      BlockPool pool(backend, c, blocks_needed(40, block_size), block_size, 3, c.seq_len);  // room for one long sequence
+      auto fill = [&](PagedSequence& s, int tag, int length) {
+        for (int p = s.length(); p < length; ++p) {
+          s.prepare(p, 1);
+          const std::vector<float> key(c.kv_dim(), 0.0f), value(c.kv_dim(), float(tag * 1000 + p));
+          const Buffer d_key = test::to_backend(backend, key), d_value = test::to_backend(backend, value);
+          const IntBuffer position = consecutive_positions(backend, p, 1);
+          for (int layer = 0; layer < c.n_layers; ++layer) s.write(layer, p, 1, position.data(), d_key.data(), d_value.data());
+        }
+      };
+      // What attention over s's layer-1 view gives a query at `pos`: the mean of the values it sees.
+      auto mean_seen = [&](PagedSequence& s, int pos) {
+        const std::vector<float> q(c.dim, 1.0f);
+        const Buffer d_q = test::to_backend(backend, q);
+        Buffer d_out(backend, c.dim), scratch(backend, backend.attention_scratch_floats(shape, c.seq_len));
+        const IntBuffer position = consecutive_positions(backend, pos, 1);
+        backend.attention(d_out.data(), d_q.data(), position.data(), 1, s.view(1), shape, {scratch.data(), scratch.size()}, nullptr);
+        return test::from_backend(backend, d_out)[0];
+      };
+      {
+        PagedSequence a(pool), b(pool);
+        fill(a, 1, 20), fill(b, 2, 7);  // interleaved growth would mix their blocks; this takes a's first
+        CHECK(mean_seen(a, 19) == doctest::Approx(1000 + 9.5).epsilon(1e-6));
+        CHECK(mean_seen(b, 6) == doctest::Approx(2000 + 3).epsilon(1e-6));
+      }  // both finish: every block back in the pool
+      CHECK(pool.free_blocks() == pool.blocks());
+      PagedSequence c1(pool), c2(pool);  // new owners of the same blocks, in another order
+      for (int length = 1; length <= 16; ++length) {
+        fill(c1, 3, length), fill(c2, 4, length + 2);
+        CAPTURE(length);
+        CHECK(mean_seen(c1, length - 1) == doctest::Approx(3000 + (length - 1) / 2.0).epsilon(1e-6));
+        CHECK(mean_seen(c2, length + 1) == doctest::Approx(4000 + (length + 1) / 2.0).epsilon(1e-6));
+        for (int p = 0; p < length; ++p) {  // and row() agrees, position by position
+          float v = 0;
+          backend.to_host(&v, c1.row(0, p).value, 1);
+          CHECK(v == float(3000 + p));
+        }
+      }
+      check_block_ownership(pool, {&c1, &c2});
+    }
+  });
+}
+
+TEST_CASE("block pool: exhaustion is refused, a double free and a shared block are caught, every block comes back") {
+  CpuBackend cpu(1);
+  const ModelConfig c{.dim = 16, .hidden_dim = 32, .n_layers = 1, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 256,
+                      .seq_len = 64};
+  BlockPool pool(cpu, c, 4, 3, 2, 64);
+  {
+    PagedSequence a(pool);
+    CHECK(a.blocks_to_grow(7) == 3);
+    a.prepare(0, 7);
+    CHECK(pool.free_blocks() == 1);
+    CHECK(a.blocks_to_grow(2) == 0);  // 7 + 2 = 9 = three blocks of 3
+    CHECK(a.blocks_to_grow(3) == 1);
+    a.prepare(7, 5);  // the last block
+    CHECK_THROWS_WITH(a.prepare(12, 1), doctest::Contains("no free block"));
+    CHECK_THROWS_WITH(PagedSequence(pool).prepare(1, 1), doctest::Contains("appends"));
+    PagedSequence b(pool);
+    CHECK_THROWS_WITH(PagedSequence{pool}, doctest::Contains("every sequence slot"));
+    check_block_ownership(pool, {&a, &b});
+    CHECK_THROWS_WITH(check_block_ownership(pool, {&a, &a}), doctest::Contains("handed out twice"));
+  }
+  CHECK(pool.free_blocks() == 4);
+  pool.break_double_free();
+  {
+    PagedSequence a(pool);
+    a.prepare(0, 1);
+  }  // its one block goes back twice
+  CHECK_THROWS_WITH(check_block_ownership(pool, {}), doctest::Contains("handed out twice (the free list)"));
+}
+
+// Every sequence's logits in one batched call (a decode token for some, a prefill chunk for others) against
+// the same sequence alone. Not bit for bit: a product over B rows sums in another order than over one row
+// (Eigen's GEMM vs GEMV); the shipped model's logits are O(10), their float rounding ~1e-5 apart.
+TEST_CASE("batched forward: each sequence's logits equal its logits alone within 1e-4, every backend") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const ModelConfig& c = checkpoint.config();
+  const std::string text = test::validation_text();
+  test::for_each_backend(test::test_backend_names(), [&](Backend& backend) {
+    Model model(checkpoint, backend, 128, 256);
+    const std::vector<int> a = encode_bytes(text.substr(100, 40)), b = encode_bytes(text.substr(900, 3)),
+                           d = encode_bytes(text.substr(2000, 60));
+    using Cache = ch03::PreallocatedKvCache;
+    Cache ca(backend, c, 100), cb(backend, c, 100), cd(backend, c, 100), ra(backend, c, 100), rb(backend, c, 100), rd(backend, c, 100);
+    model.forward(std::span(a).first(39), 0, &ca);  // a and its reference decode their 40th token in the batch
+    model.forward(std::span(a).first(39), 0, &ra);
+    const SequenceStep batch[] = {{std::span(a).last(1), 39, &ca}, {b, 0, &cb}, {d, 0, &cd}};
+    const std::span<const float> got = model.forward(batch);
+    const std::vector<float> batched(got.begin(), got.end());
+    REQUIRE(batched.size() == 3u * c.vocab_size);
+    float worst = 0;
+    auto compare = [&](int row, std::span<const float> alone_logits) {
+      for (int i = 0; i < c.vocab_size; ++i) worst = std::max(worst, std::abs(batched[std::size_t(row) * c.vocab_size + i] - alone_logits[i]));
+    };
+    compare(0, model.forward(std::span(a).last(1), 39, &ra));
+    compare(1, model.forward(b, 0, &rb));
+    compare(2, model.forward(d, 0, &rd));
+    CHECK(worst < 1e-4f);
+    MESSAGE("largest logit difference, batched vs alone: " << worst);
+    // Every position's logits of a batch too (kAllPositions): the rows of a sequence in batch order.
+    Cache ea(backend, c, 100), eb(backend, c, 100);
+    const SequenceStep two[] = {{b, 0, &ea}, {std::span(d).first(5), 0, &eb}};
+    CHECK(model.forward(two, Logits::kAllPositions).size() == 8u * c.vocab_size);
+    CHECK_THROWS_WITH(model.forward(std::span<const SequenceStep>(), Logits::kLastPosition), doctest::Contains("no sequences"));
+    const SequenceStep shared[] = {{b, 0, &cb}, {b, 3, &cb}};
+    CHECK_THROWS_WITH(model.forward(shared), doctest::Contains("share one cache"));
+  });
+}
+
+// The scheduler against each request alone: greedy tokens identical, for block sizes 1, 3 and 16, prompts
+// ending on and one past a block boundary, requests arriving mid-run, and a pool small enough to preempt.
+TEST_CASE("scheduler: every request's greedy tokens equal the request served alone; joins, leaves, preemption") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const std::string text = test::validation_text();
+  const bool short_run = test::sanitizer_run();
+  CpuBackend cpu(test::test_threads());
+  Model model(checkpoint, cpu, 128, checkpoint.config().seq_len);
+  for (int block_size : {1, 3, 16}) {
+    CAPTURE(block_size);
+    std::vector<Request> requests;
+    const int count = short_run ? 5 : 9;
+    for (int i = 0; i < count; ++i) {
+      // prompts of 2, 3 and 1 blocks plus 0, 1 and 2 positions: on a boundary, one past, inside
+      const int length = std::max(1, block_size * (2 + i % 3) + i % 3);
+      requests.push_back(Request{encode_bytes(text.substr(1000 + 977 * i, length)), 6 + 5 * (i % 4), 3 * i});
+    }
+    std::vector<std::vector<int>> expected;
+    for (const Request& r : requests) expected.push_back(alone(model, r));
+    for (bool tight : {false, true}) {
+      CAPTURE(tight);
+      // tight: a pool of just over what the longest request needs, so sequences wait and are preempted.
+      int longest = 0;
+      for (const Request& r : requests) longest = std::max(longest, int(r.prompt.size()) + r.max_new_tokens);
+      const int blocks = tight ? blocks_needed(longest, block_size) + 2 : 1000;
+      BlockPool pool(cpu, model.config(), blocks, block_size, 9, model.config().seq_len);
+      std::vector<RequestResult> results;
+      const RunStats stats = serve(model, pool, requests, SchedulerOptions{.max_batch = 9, .token_budget = 32}, results);
+      for (std::size_t i = 0; i < requests.size(); ++i) {
+        CAPTURE(i);
+        CHECK(results[i].output == expected[i]);
+      }
+      CHECK(pool.free_blocks() == pool.blocks());  // every block back when every request has finished
+      if (tight) CHECK(stats.preemptions > 0);
+      else CHECK(stats.preemptions == 0);
+      CHECK(stats.peak_running > 1);
+    }
+  }
+  // Static batching gives the same tokens.
+  std::vector<Request> requests;
+  for (int i = 0; i < 4; ++i) requests.push_back(Request{encode_bytes(text.substr(5000 + 300 * i, 10 + 7 * i)), 5 + 3 * i, 0});
+  BlockPool pool(cpu, model.config(), 200, 16, 4, model.config().seq_len);
+  std::vector<RequestResult> results;
+  serve(model, pool, requests, SchedulerOptions{.batching = Batching::kStatic, .max_batch = 2, .token_budget = 32}, results);
+  for (std::size_t i = 0; i < requests.size(); ++i) CHECK(results[i].output == alone(model, requests[i]));
+}
+
+TEST_CASE("scheduler: a request that can never fit is refused before anything runs, naming it") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  CpuBackend cpu(1);
+  Model model(checkpoint, cpu, 16, 0);
+  BlockPool pool(cpu, model.config(), 4, 4, 2, model.config().seq_len);
+  std::vector<RequestResult> results;
+  const std::vector<Request> fits{Request{encode_bytes("And God"), 4, 0}};
+  const std::vector<Request> too_long{Request{encode_bytes("And God"), 4, 0}, Request{encode_bytes("In the beginning"), 4, 0}};
+  serve(model, pool, fits, SchedulerOptions{.max_batch = 2, .token_budget = 16}, results);
+  CHECK_THROWS_WITH(serve(model, pool, too_long, SchedulerOptions{.max_batch = 2, .token_budget = 16}, results),
+                    doctest::Contains("request 1 (16-token prompt, 4 new tokens) needs 20 positions of cache; the pool holds at most 16"));
+  CHECK_THROWS_WITH(serve(model, pool, fits, SchedulerOptions{.max_batch = 2, .token_budget = 64}, results),
+                    doctest::Contains("calls of 16 tokens"));
+}
+
+TEST_CASE("trace files: requests parsed; a malformed line named with its number") {
+  const std::vector<Request> r = parse_trace("# comment\n\n0 5 And God said\n3 2 a\\nb \\\\ c\n", "t.txt");
+  REQUIRE(r.size() == 2);
+  CHECK(r[0].arrival_step == 0);
+  CHECK(r[0].max_new_tokens == 5);
+  CHECK(decode_bytes(r[0].prompt) == "And God said");
+  CHECK(decode_bytes(r[1].prompt) == "a\nb \\ c");
+  CHECK_THROWS_WITH(parse_trace("0 5 ok\nx 5 bad\n", "t.txt"), doctest::Contains("t.txt:2: ARRIVAL_STEP \"x\""));
+  CHECK_THROWS_WITH(parse_trace("0 0 zero\n", "t.txt"), doctest::Contains("at least 1"));
+  CHECK_THROWS_WITH(parse_trace("0 5\n", "t.txt"), doctest::Contains("the prompt is empty"));
+  CHECK_THROWS_WITH(parse_trace("0 5 a\\x\n", "t.txt"), doctest::Contains("backslash"));
+  CHECK_THROWS_WITH(parse_trace("# nothing\n", "t.txt"), doctest::Contains("holds no request"));
+}
