@@ -85,6 +85,14 @@ def shrink(command):
         command += " --prompts 2 --probe-tokens 5,20"
     if "busy_machine.sh" in command:
         command = re.sub(r"--runs \d+", "--runs 1", command) + " --tokens 20"
+    if "08_paged_batching" in command:
+        command = re.sub(r"--requests \d+", "--requests 6", command)
+        command = re.sub(r"--batch-sizes [\d,]+", "--batch-sizes 1,2", command)
+        command = re.sub(r"--block-sizes [\d,]+", "--block-sizes 16", command)
+        if "--experiment throughput" in command and "--batch-sizes" not in command:
+            command += " --batch-sizes 1,2"
+        if "--experiment memory" in command and "--block-sizes" not in command:
+            command += " --block-sizes 16"
     if "kvs_tests" in command:
         command += " --list-test-cases"
     return command

@@ -35,4 +35,8 @@ banner "Chapter 05: break it - corrupt one cached key (texts side by side, KL pe
 "$bin/05_break_corrupt_key" --max-new-tokens 60 --restore-after 10 --every 5
 banner "Chapter 06: break it - write each position one slot off (the equivalence check catches it)"
 "$bin/06_break_off_by_one" --max-new-tokens 60
+banner "Chapter 08: many sequences at once - a paged cache, continuous batching, preemption, a block freed twice"
+"$bin/08_paged_batching" --requests 24
+"$bin/08_paged_batching" --experiment preemption --requests 16 --kv-memory 1MiB
+"$bin/08_paged_batching" --experiment break --requests 16
 banner "Done. Read book/README.md; every binary takes --help. Speed sweep and plots: bash plots/regenerate.sh"

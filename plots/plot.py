@@ -10,6 +10,8 @@ chapter 05: break_steps_to_divergence.png (median steps until the first differen
 key and value), break_kl_over_steps.png (median KL per step after the corruption, per layer) and
 break_contamination.png (how far each cache row moved, layer x position, one corruption);
 chapter 06: off_by_one_probes.png (the share of probes that pass, vs probe length);
+chapter 08: batch_throughput.png (decode tokens/s per batch size, 1 and 2 threads) and paged_memory.png
+(reserved vs live K/V per block size and for a max-length reservation, with the largest batch each fit);
 decode_breakdown.png (where a decode step's time goes vs context, stacked, and the time reading the same bytes
 at the measured bandwidth would take).
 Chapter 04 on the copying model (data/kjv-gpt-copy.bin; drawn when its CSVs exist): copy_recall_vs_window.png
@@ -309,5 +311,34 @@ def break_figures():
            "Short probes miss the off-by-one bug; the logits never do", "off_by_one_probes.png", log=False)
 
 
+def batching_figures():
+    """Chapter 08: tokens/s per batch size (1 and 2 threads), and reserved vs live K/V per block size."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for threads, color in (("1", "tab:blue"), ("2", "tab:orange")):
+        rows = read(f"batch_throughput_{threads}t.csv")
+        ax.plot([int(r["batch"]) for r in rows], [float(r["tokens_per_s"]) for r in rows], marker="o", color=color,
+                label=f"{threads} thread{'s' if threads != '1' else ''}")
+    ax.set_xscale("log", base=2)
+    finish(fig, ax, "sequences decoded together (batch)", "tokens/s (decode steps, p50)",
+           "Batched decoding of the shipped model on this CPU", "batch_throughput.png", log=False)
+
+    rows = read("paged_memory.csv")
+    labels = ["max-length" if r is rows[-1] else r["block_size"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    xs = range(len(rows))
+    mib = 1 << 20
+    ax.bar([x - 0.2 for x in xs], [float(r["reserved_bytes_mean"]) / mib for r in rows], width=0.4,
+           label="reserved (blocks handed out)", color="tab:gray")
+    ax.bar([x + 0.2 for x in xs], [float(r["live_bytes_mean"]) / mib for r in rows], width=0.4,
+           label="live (holding K/V)", color="tab:blue")
+    for x, r in zip(xs, rows):
+        ax.annotate(f"batch {r['largest_batch']}", (x, float(r["reserved_bytes_mean"]) / mib), ha="center",
+                    va="bottom", fontsize="small")
+    ax.set_xticks(list(xs), labels)
+    finish(fig, ax, "positions per block", "MiB, averaged over the steps",
+           "One KV budget, one trace: what blocks reserve and what they hold", "paged_memory.png", log=False)
+
+
 if __name__ == "__main__":
     main()
+    batching_figures()

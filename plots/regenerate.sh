@@ -37,4 +37,12 @@ ch05=build/release/bin/05_break_corrupt_key
 "$ch05" --experiment sweep --csv plots/data/break_sweep.csv --kl-csv plots/data/break_kl.csv "$@"
 ch06=build/release/bin/06_break_off_by_one
 "$ch06" --experiment probes --csv plots/data/off_by_one_probes.csv "$@"
+# Chapter 08: batches, blocks, continuous batching, preemption.
+ch08=build/release/bin/08_paged_batching
+for threads in 1 2; do
+  "$ch08" --experiment throughput --threads "$threads" --csv "plots/data/batch_throughput_${threads}t.csv" "$@"
+done
+"$ch08" --experiment memory --requests 64 --kv-memory 16MiB --csv plots/data/paged_memory.csv "$@"
+"$ch08" --experiment batching --requests 64 --mean-gap 4 --max-batch 16 --csv plots/data/batching.csv "$@"
+"$ch08" --experiment preemption --requests 32 --kv-memory 1MiB --csv plots/data/preemption.csv "$@"
 /usr/bin/python3 plots/plot.py  # Debian's interpreter, which has python3-matplotlib

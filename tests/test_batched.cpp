@@ -123,7 +123,7 @@ TEST_CASE("paged attention: equals the reference attention over the same view, N
 // Keys all zero, so every visible row weighs the same and the output is the mean of the visible values; value
 // row = its request's tag · 1000 + its position. A query of request B at position p must get exactly
 // B·1000 + p/2: any row of another request, or a stale row of a block's previous owner, moves it.
-TEST_CASE("paged sequences: blocks freed and reused by another request; each query sees only its own positions") {
+TEST_CASE("paged sequences: blocks freed and reused by another request, each query sees only its own positions") {
   const ModelConfig c{.dim = 16, .hidden_dim = 32, .n_layers = 2, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 256,
                       .seq_len = 64};
   const AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim()};
@@ -242,7 +242,7 @@ TEST_CASE("batched forward: each sequence's logits equal its logits alone within
 
 // The scheduler against each request alone: greedy tokens identical, for block sizes 1, 3 and 16, prompts
 // ending on and one past a block boundary, requests arriving mid-run, and a pool small enough to preempt.
-TEST_CASE("scheduler: every request's greedy tokens equal the request served alone; joins, leaves, preemption") {
+TEST_CASE("scheduler: every request's greedy tokens equal the request served alone, with joins, leaves and preemption") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   const std::string text = test::validation_text();
   const bool short_run = test::sanitizer_run();
@@ -302,7 +302,7 @@ TEST_CASE("scheduler: a request that can never fit is refused before anything ru
                     doctest::Contains("calls of 16 tokens"));
 }
 
-TEST_CASE("trace files: requests parsed; a malformed line named with its number") {
+TEST_CASE("trace files: requests parsed, a malformed line named with its number") {
   const std::vector<Request> r = parse_trace("# comment\n\n0 5 And God said\n3 2 a\\nb \\\\ c\n", "t.txt");
   REQUIRE(r.size() == 2);
   CHECK(r[0].arrival_step == 0);

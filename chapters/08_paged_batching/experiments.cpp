@@ -282,6 +282,7 @@ int preemption(Setup& s) {
 }
 
 int break_double_free(Setup& s) {
+  if (s.requests.size() < 2) throw UsageError("--experiment break needs at least two requests: one to finish, one to suffer");
   std::vector<RequestResult> expected_results;
   {
     BlockPool pool = make_pool(s, s.block_size, s.kv_memory, s.options.max_batch);
@@ -295,9 +296,11 @@ int break_double_free(Setup& s) {
     SchedulerOptions options = s.options;
     options.audit_blocks = audit;
     armed_at = -1;
-    return serve(s.rt.model, pool, s.requests, options, results, [&](const RunStats& stats, int finished, int) {
-      if (finished > 0 && armed_at < 0) pool.break_double_free(), armed_at = stats.steps;
+    const RunStats stats = serve(s.rt.model, pool, s.requests, options, results, [&](const RunStats& stats, int finished, int count) {
+      if (finished > 0 && finished < count && armed_at < 0) pool.break_double_free(), armed_at = stats.steps;
     });
+    if (audit) check_block_ownership(pool, {});  // the double free may have come with the last request
+    return stats;
   };
   int armed_at = -1;
   std::vector<RequestResult> results;
