@@ -28,6 +28,12 @@
 
 namespace kvs {
 
+// The row a cache write of position `pos` lands in: a ring's slot (ring.h; Ring::unbounded() for row = position)
+// or a block table's physical row (block_table.h). Backend::write_rows and write_paged_rows are one scatter
+// over either.
+KVS_HOST_DEVICE inline int write_row(const Ring& ring, int pos) { return ring.write_slot(pos); }
+KVS_HOST_DEVICE inline int write_row(const BlockTable& table, int pos) { return table.physical_row(pos); }
+
 struct AttentionShape {
   int n_heads;
   int n_kv_heads;

@@ -371,15 +371,17 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
         return Eigen::Map<const RowMajor, 0, Strided>(base + kv.row_offset(row) + kv_head * head_dim, count, head_dim,
                                                       Strided(kv.row_stride));
       };
+      // f(first row, rows) for each run of rows [begin, end) stored row_stride apart: the whole range in a
+      // contiguous view, a block at a time in a paged one (KvView::run_end). One product per run.
+      auto each_run = [&](auto&& f) {
+        for (int run = begin, stop; run < end; run = stop) stop = kv.run_end(run, end), f(run, stop - run);
+      };
       Eigen::Map<const RowMajor, 0, Strided> Q(q + std::size_t(q0) * dim + h * head_dim, nq, head_dim, Strided(dim));
       Eigen::Map<RowMajor, 0, Strided> O(out + std::size_t(q0) * dim + h * head_dim, nq, head_dim, Strided(dim));
       Eigen::Map<RowMajor> S(scores_mem, nq, rows);  // (nq, rows): row r of S is view row begin + r
       // The scale is applied to the visible scores below: folded into the product, it makes Eigen allocate
-      // a temporary for a single query, i.e. on every decode step. One product per run of rows stored
-      // row_stride apart: the whole range, or a block at a time in a paged view (KvView::run_end).
-      for (int run = begin; run < end; run = kv.run_end(run, end))
-        S.middleCols(run - begin, kv.run_end(run, end) - run).noalias() =
-            Q * rows_of(kv.keys, run, kv.run_end(run, end) - run).transpose();
+      // a temporary for a single query, i.e. on every decode step.
+      each_run([&](int run, int count) { S.middleCols(run - begin, count).noalias() = Q * rows_of(kv.keys, run, count).transpose(); });
       // A row that no query of the block may see (an empty slot, a row outside the window) must not enter
       // the product below, whatever its bytes. Checked at the block's first and last query: a row only a
       // middle query sees is flagged too, which costs the exact path below, never a wrong result.
@@ -416,9 +418,8 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
           observe_weights(weights + (std::size_t(q0 + i) * shape.n_heads + h) * kv.rows, kv.rows, S.row(i).data(), begin, rows);
         }
       if (!unseen_row) {  // every row is seen by some query of the block: its bytes are real keys/values
-        O.noalias() = S.leftCols(kv.run_end(begin, end) - begin) * rows_of(kv.values, begin, kv.run_end(begin, end) - begin);
-        for (int run = kv.run_end(begin, end); run < end; run = kv.run_end(run, end))
-          O.noalias() += S.middleCols(run - begin, kv.run_end(run, end) - run) * rows_of(kv.values, run, kv.run_end(run, end) - run);
+        O.setZero();  // += onto exact zeros: the sums of a single run are those of O = S · V
+        each_run([&](int run, int count) { O.noalias() += S.middleCols(run - begin, count) * rows_of(kv.values, run, count); });
         continue;
       }
       // Some rows hold nothing this block may read: a weight of 0 times a NaN in such a row would still be
@@ -441,10 +442,17 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
   else for (int h = 0; h < shape.n_heads; ++h) one_head(h);
 }
 
+// rows[write_row(where, positions[i])] = src[i], `where` a Ring or a BlockTable (backend.h).
+template <typename Where>
+void CpuBackend::scatter_rows(float* rows, int row_stride, const int* positions, Where where, const float* src, int n,
+                              int width) {
+  for (int i = 0; i < n; ++i)
+    copy(rows + std::size_t(write_row(where, positions[i])) * row_stride, src + std::size_t(i) * width, std::size_t(width));
+}
+
 void CpuBackend::write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
                             int width) {
-  for (int i = 0; i < n; ++i)
-    copy(rows + std::size_t(ring.write_slot(positions[i])) * row_stride, src + std::size_t(i) * width, std::size_t(width));
+  scatter_rows(rows, row_stride, positions, ring, src, n, width);
 }
 
 void CpuBackend::write_positions(int* slot_positions, const int* positions, Ring ring, int n) {
@@ -453,9 +461,7 @@ void CpuBackend::write_positions(int* slot_positions, const int* positions, Ring
 
 void CpuBackend::write_paged_rows(float* rows, int row_stride, const int* positions, BlockTable table,
                                   const float* src, int n, int width) {
-  for (int i = 0; i < n; ++i)
-    copy(rows + std::size_t(table.physical_row(positions[i])) * row_stride, src + std::size_t(i) * width,
-         std::size_t(width));
+  scatter_rows(rows, row_stride, positions, table, src, n, width);
 }
 
 void CpuBackend::swiglu(float* gate, const float* up, std::size_t count) {

@@ -59,6 +59,8 @@ class CpuBackend final : public Backend {
 
  private:
   float* allocate_weights(std::size_t floats);  // kept in weights_
+  template <typename Where>
+  void scatter_rows(float* rows, int row_stride, const int* positions, Where where, const float* src, int n, int width);
   int threads_;
   std::unique_ptr<WorkerPool> pool_;
   std::vector<float*> weights_;  // uploaded weights, released with the backend

@@ -83,6 +83,7 @@ Model::Model(const Checkpoint& checkpoint, Backend& backend, int max_tokens_per_
   host_step_.resize(size.step);
   host_logits_.resize(size.logits);
   parts_.reserve(max_tokens_);  // a sequence brings at least one token
+  caches_.reserve(max_tokens_);
 }
 
 void Model::observe_attention(AttentionObserver* observer) {
@@ -122,13 +123,16 @@ int Model::load_step(std::span<const SequenceStep> batch) {
     if (!s.cache) throw std::invalid_argument("forward: a sequence of a batch without a cache");
     if (s.cache->rotates_at_read() != batch[0].cache->rotates_at_read())
       throw std::invalid_argument("forward: a batch mixes caches that rotate keys at read time with caches that do not");
-    for (const SequenceStep& t : batch)
-      if (&t != &s && t.cache == s.cache) throw std::invalid_argument("forward: two sequences of a batch share one cache");
     for (int token : s.tokens)
       if (token < 0 || token >= config_.vocab_size)
         throw std::invalid_argument("forward: token id " + std::to_string(token) + " is outside the vocabulary [0, " +
                                     std::to_string(config_.vocab_size) + ")");
   }
+  caches_.clear();  // each sequence writes its own cache: two sharing one would overwrite each other's rows
+  for (const SequenceStep& s : batch) caches_.push_back(s.cache);
+  std::sort(caches_.begin(), caches_.end());
+  if (std::adjacent_find(caches_.begin(), caches_.end()) != caches_.end())
+    throw std::invalid_argument("forward: two sequences of a batch share one cache");
   // step (2, n): every sequence's token ids, then their positions - read by the operations from backend memory.
   parts_.clear();
   for (const SequenceStep& s : batch) {

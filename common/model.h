@@ -119,6 +119,7 @@ class Model {
   std::vector<int> host_step_;      // (2, N)
   std::vector<float> host_logits_;  // (N, vocab)
   std::vector<Part> parts_;         // (sequences of this call), capacity N: refilled without allocating
+  std::vector<const KvCache*> caches_;  // (sequences of this call) sorted, to refuse a cache given twice
   CallLocalKv call_local_;
   AttentionObserver* observer_ = nullptr;
   Buffer observed_weights_;         // (N, n_heads, max_kv_rows) once an observer is attached

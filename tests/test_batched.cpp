@@ -26,14 +26,6 @@ using namespace kvs::ch08;
 
 namespace {
 
-// The greedy tokens `request` gets alone through chapter 03's preallocated cache.
-std::vector<int> alone(Model& model, const Request& request) {
-  ch03::PreallocatedKvCache cache(model.backend(), model.config(), int(request.prompt.size()) + request.max_new_tokens);
-  Sampler greedy(model.config().vocab_size, SamplerSettings{});
-  const Generation g = generate_cached(model, cache, greedy, request.prompt, request.max_new_tokens);
-  return {g.tokens.begin() + long(request.prompt.size()), g.tokens.end()};
-}
-
 // A host block table whose blocks are out of order, for `rows` rows.
 std::vector<int> shuffled_blocks(int rows, int block_size, std::mt19937& gen) {
   std::vector<int> blocks(blocks_needed(rows, block_size) + 2);  // two more in the pool than the table uses
@@ -258,7 +250,7 @@ TEST_CASE("scheduler: every request's greedy tokens equal the request served alo
       requests.push_back(Request{encode_bytes(text.substr(1000 + 977 * i, length)), 6 + 5 * (i % 4), 3 * i});
     }
     std::vector<std::vector<int>> expected;
-    for (const Request& r : requests) expected.push_back(alone(model, r));
+    for (const Request& r : requests) expected.push_back(serve_alone(model, r));
     for (bool tight : {false, true}) {
       CAPTURE(tight);
       // tight: a pool of just over what the longest request needs, so sequences wait and are preempted.
@@ -284,7 +276,7 @@ TEST_CASE("scheduler: every request's greedy tokens equal the request served alo
   BlockPool pool(cpu, model.config(), 200, 16, 4, model.config().seq_len);
   std::vector<RequestResult> results;
   serve(model, pool, requests, SchedulerOptions{.batching = Batching::kStatic, .max_batch = 2, .token_budget = 32}, results);
-  for (std::size_t i = 0; i < requests.size(); ++i) CHECK(results[i].output == alone(model, requests[i]));
+  for (std::size_t i = 0; i < requests.size(); ++i) CHECK(results[i].output == serve_alone(model, requests[i]));
 }
 
 TEST_CASE("scheduler: a request that can never fit is refused before anything runs, naming it") {

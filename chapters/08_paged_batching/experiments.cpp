@@ -7,8 +7,6 @@
 #include <numeric>
 
 #include "03_preallocated_cache/breakdown.h"
-#include "03_preallocated_cache/preallocated_kv_cache.h"
-#include "generate.h"
 #include "timing.h"
 #include "tokenizer.h"
 
@@ -67,9 +65,7 @@ int count_identical(const std::vector<RequestResult>& results, const std::vector
       ++same;
       continue;
     }
-    std::size_t at = 0;
-    while (at < results[i].output.size() && at < expected[i].size() && results[i].output[at] == expected[i][at]) ++at;
-    if (shown++ < 5) std::fprintf(stderr, "  request %zu differs from output token %zu on\n", i, at);
+    if (shown++ < 5) std::fprintf(stderr, "  request %zu differs from output token %zu on\n", i, first_difference(results[i].output, expected[i]));
   }
   return same;
 }
@@ -98,13 +94,6 @@ BlockPool make_pool(Setup& s, int block_size, std::int64_t bytes, int max_sequen
   return BlockPool(s.rt.backend, c, static_cast<int>(blocks), block_size, max_sequences, c.seq_len);
 }
 
-std::vector<int> alone(Runtime& rt, const Request& request) {
-  ch03::PreallocatedKvCache cache(rt.backend, rt.model.config(), static_cast<int>(request.prompt.size()) + request.max_new_tokens);
-  Sampler greedy(rt.model.config().vocab_size, SamplerSettings{});
-  const Generation g = generate_cached(rt.model, cache, greedy, request.prompt, request.max_new_tokens);
-  return std::vector<int>(g.tokens.begin() + static_cast<long>(request.prompt.size()), g.tokens.end());
-}
-
 int serve_trace(Setup& s) {
   BlockPool pool = make_pool(s, s.block_size, s.kv_memory, s.options.max_batch);
   std::fprintf(stderr, "%zu requests, %s batching of up to %d sequences and %d tokens a step; a pool of %d blocks of %d "
@@ -131,7 +120,7 @@ int serve_trace(Setup& s) {
 
   std::fprintf(stderr, "\nchecking every output against the request served alone (chapter 03's cache)...\n");
   std::vector<std::vector<int>> expected;
-  for (const Request& r : s.requests) expected.push_back(alone(s.rt, r));
+  for (const Request& r : s.requests) expected.push_back(serve_alone(s.rt.model, r));
   const int same = count_identical(results, expected);
   std::fprintf(stderr, "%d of %zu outputs identical to the request alone\n", same, results.size());
 
@@ -257,6 +246,7 @@ int preemption(Setup& s) {
   std::int64_t everyone = 0;  // a pool that holds every request whole at once: nothing is ever preempted
   for (const Request& r : s.requests)
     everyone += kv_cache_bytes(c, blocks_needed(int(r.prompt.size()) + r.max_new_tokens, s.block_size) * s.block_size);
+  s.rt.plan_kv_cache(std::max(everyone, s.kv_memory));  // the larger pool, one at a time (--memory-limit)
   std::fprintf(stderr, "%zu requests; a pool of %s (every request at once) against one of %s\n", s.requests.size(),
                format_bytes(double(everyone)).c_str(), format_bytes(double(s.kv_memory)).c_str());
   CsvWriter csv({"--csv", s.csv}, "pool_bytes,blocks,steps,total_ms,tokens_per_s,preemptions,recomputed_tokens,identical_outputs",
@@ -312,8 +302,7 @@ int break_double_free(Setup& s) {
   CsvWriter csv({"--csv", s.csv}, "request,first_different_token,output_tokens,arrival_step", s.rt.inputs());
   for (std::size_t i = 0; i < results.size(); ++i) {
     if (results[i].output == expected[i]) continue;
-    std::size_t at = 0;
-    while (at < expected[i].size() && results[i].output[at] == expected[i][at]) ++at;
+    const std::size_t at = first_difference(results[i].output, expected[i]);
     std::fprintf(stderr, "  request %zu: its output changes at token %zu of %zu\n", i, at, expected[i].size());
     csv.row(i, at, expected[i].size(), s.requests[i].arrival_step);
     if (victims++ == 0) {

@@ -24,8 +24,6 @@ struct Setup {
 
 // A pool of as many blocks of `block_size` positions as `bytes` holds (UsageError when not even one).
 BlockPool make_pool(Setup& s, int block_size, std::int64_t bytes, int max_sequences);
-// The greedy tokens `request` gets alone, through chapter 03's preallocated cache: the reference.
-std::vector<int> alone(Runtime& rt, const Request& request);
 
 int serve_trace(Setup& s);        // serve the trace once; every output checked against the request alone
 int throughput(Setup& s);         // decode step time and tokens/s per batch size, against the roofline

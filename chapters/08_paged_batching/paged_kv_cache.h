@@ -143,9 +143,8 @@ class PagedSequence final : public KvCache {
 
   // Rows 0 .. length-1 = positions 0 .. length-1, through the block table.
   KvView view(int layer) const override {
-    BlockPool& pool = pool_;
-    return KvView{.keys = pool.rows(layer, 0), .values = pool.rows(layer, 1), .rows = length_,
-                  .row_stride = pool.kv_dim(), .paged = BlockTable{pool.table(table_), pool.block_size()}};
+    return KvView{.keys = pool_.rows(layer, 0), .values = pool_.rows(layer, 1), .rows = length_,
+                  .row_stride = pool_.kv_dim(), .paged = BlockTable{pool_.table(table_), pool_.block_size()}};
   }
   int length() const override { return length_; }
   KvRow row(int layer, int position) override {

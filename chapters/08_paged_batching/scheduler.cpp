@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "03_preallocated_cache/preallocated_kv_cache.h"
+#include "generate.h"
 #include "sampler.h"
 #include "timing.h"
 
@@ -52,8 +54,9 @@ void check_requests(const Model& model, const BlockPool& pool, const std::vector
 
 }  // namespace
 
-void check_block_ownership(const BlockPool& pool, const std::vector<const PagedSequence*>& sequences) {
-  std::vector<int> holders(pool.blocks(), 0);  // free-list entries and table entries per block
+void check_block_ownership(const BlockPool& pool, const std::vector<const PagedSequence*>& sequences,
+                           std::vector<int>& holders) {
+  holders.assign(pool.blocks(), 0);  // free-list entries and table entries per block
   auto hold = [&](int block, const std::string& by) {
     if (block < 0 || block >= pool.blocks() || ++holders[block] > 1)
       throw std::logic_error("block " + std::to_string(block) + " is handed out twice (" + by +
@@ -62,6 +65,19 @@ void check_block_ownership(const BlockPool& pool, const std::vector<const PagedS
   for (int block : pool.free_list()) hold(block, "the free list");
   for (std::size_t s = 0; s < sequences.size(); ++s)
     for (int block : sequences[s]->blocks()) hold(block, "the block table of running sequence " + std::to_string(s));
+}
+
+std::vector<int> serve_alone(Model& model, const Request& request) {
+  ch03::PreallocatedKvCache cache(model.backend(), model.config(), int(request.prompt.size()) + request.max_new_tokens);
+  Sampler greedy(model.config().vocab_size, SamplerSettings{});
+  const Generation g = generate_cached(model, cache, greedy, request.prompt, request.max_new_tokens);
+  return {g.tokens.begin() + long(request.prompt.size()), g.tokens.end()};
+}
+
+std::size_t first_difference(const std::vector<int>& a, const std::vector<int>& b) {
+  std::size_t at = 0;
+  while (at < a.size() && at < b.size() && a[at] == b[at]) ++at;
+  return at;
 }
 
 RunStats serve(Model& model, BlockPool& pool, const std::vector<Request>& requests, const SchedulerOptions& options,
@@ -81,6 +97,7 @@ RunStats serve(Model& model, BlockPool& pool, const std::vector<Request>& reques
   std::vector<SequenceStep> batch;      // this step's forward pass
   batch.reserve(options.max_batch);
   std::vector<const PagedSequence*> audited;
+  std::vector<int> holders;  // check_block_ownership's scratch
   int next_arrival = 0, finished = 0;
   const Stopwatch clock;
 
@@ -98,7 +115,7 @@ RunStats serve(Model& model, BlockPool& pool, const std::vector<Request>& reques
     if (options.audit_blocks) {
       audited.clear();
       for (const Running& s : running) audited.push_back(s.cache.get());
-      check_block_ownership(pool, audited);
+      check_block_ownership(pool, audited, holders);
     }
     // 2. the running sequences' tokens, preempting from the most recently admitted while blocks are short.
     int budget = options.token_budget, free_blocks = pool.free_blocks();

@@ -44,7 +44,13 @@ struct SchedulerOptions {
 
 // Throws std::logic_error naming the block when a block is free twice, free and held, or held by two
 // sequences (or twice by one): what a double free or a stale block table looks like from the pool.
-void check_block_ownership(const BlockPool& pool, const std::vector<const PagedSequence*>& sequences);
+// `holders`: scratch, resized to the pool's blocks (a scheduler passes the same one every step).
+void check_block_ownership(const BlockPool& pool, const std::vector<const PagedSequence*>& sequences,
+                           std::vector<int>& holders);
+inline void check_block_ownership(const BlockPool& pool, const std::vector<const PagedSequence*>& sequences) {
+  std::vector<int> holders;
+  check_block_ownership(pool, sequences, holders);
+}
 
 struct RequestResult {
   std::vector<int> output;  // the generated tokens
@@ -87,5 +93,11 @@ using OnStep = std::function<void(const RunStats& stats, int finished, int reque
 // context) is refused before anything runs: std::invalid_argument naming it.
 RunStats serve(Model& model, BlockPool& pool, const std::vector<Request>& requests, const SchedulerOptions& options,
                std::vector<RequestResult>& results, const OnStep& on_step = {});
+
+// What serve must reproduce: the greedy tokens `request` gets alone, through chapter 03's preallocated cache.
+std::vector<int> serve_alone(Model& model, const Request& request);
+// The index of the first token where two outputs differ (the shorter one's length if one is a prefix of the
+// other; equal outputs: their length).
+std::size_t first_difference(const std::vector<int>& a, const std::vector<int>& b);
 
 }  // namespace kvs::ch08

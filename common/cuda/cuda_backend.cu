@@ -91,22 +91,14 @@ __global__ void rope_table_kernel(float* table, const int* positions, int n, int
   rope_cos_sin(positions[index / pairs], index % pairs, head_dim, table + std::size_t(index) * 2);
 }
 
-// rows[ring.write_slot(positions[i])] = src[i]: row i of src (n, width) into the slot of its position in
-// `rows` (row_stride floats apart); positions in device memory. Grid (n), block 256: block i copies row i, its
-// threads stride over width.
-__global__ void write_rows_kernel(float* rows, int row_stride, const int* positions, Ring ring, const float* src,
+// rows[write_row(where, positions[i])] = src[i]: row i of src (n, width) into the row of its position in
+// `rows` (row_stride floats apart), `where` a Ring or a BlockTable (backend.h); positions and a table's blocks in
+// device memory. Grid (n), block 256: block i copies row i, its threads stride over width.
+template <typename Where>
+__global__ void write_rows_kernel(float* rows, int row_stride, const int* positions, Where where, const float* src,
                                   int width) {
   const std::size_t i = blockIdx.x;
-  float* row = rows + std::size_t(ring.write_slot(positions[i])) * row_stride;
-  for (int d = threadIdx.x; d < width; d += blockDim.x) row[d] = src[i * width + d];
-}
-
-// rows[table.physical_row(positions[i])] = src[i]: write_rows_kernel for a paged cache (block_table.h), the
-// table's blocks in device memory. Grid (n), block 256.
-__global__ void write_paged_rows_kernel(float* rows, int row_stride, const int* positions, BlockTable table,
-                                        const float* src, int width) {
-  const std::size_t i = blockIdx.x;
-  float* row = rows + std::size_t(table.physical_row(positions[i])) * row_stride;
+  float* row = rows + std::size_t(write_row(where, positions[i])) * row_stride;
   for (int d = threadIdx.x; d < width; d += blockDim.x) row[d] = src[i * width + d];
 }
 
@@ -1014,7 +1006,7 @@ class CudaBackend final : public Backend {
 
   void write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
                   int width) override {
-    KVS_LAUNCH(write_rows_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, row_stride,
+    KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, row_stride,
                positions, ring, src, width);
   }
   void write_positions(int* slot_positions, const int* positions, Ring ring, int n) override {
@@ -1022,7 +1014,7 @@ class CudaBackend final : public Backend {
   }
   void write_paged_rows(float* rows, int row_stride, const int* positions, BlockTable table, const float* src, int n,
                         int width) override {
-    KVS_LAUNCH(write_paged_rows_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, row_stride,
+    KVS_LAUNCH(write_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, row_stride,
                positions, table, src, width);
   }
   void swiglu(float* gate, const float* up, std::size_t count) override {
