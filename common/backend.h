@@ -105,7 +105,7 @@ class Backend {
   // q (n, n_heads·head_dim) at positions[0 .. n-1] (consecutive: positions[i] = positions[0] + i), over the
   // rows of `kv`. If `weights` is not null it receives the softmax weights themselves, (n, n_heads, kv.rows),
   // 0 on rows a query may not see: the one attention implementation, observed (chapters 04-05), not a
-  // second copy of it.
+  // second copy of it. reference_attention.h says the same in plain loops; every backend is tested against it.
   virtual void attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
                          const AttentionShape& shape, std::span<float> scratch, float* weights) = 0;
   // rows[ring.write_slot(positions[i])] (width floats, rows row_stride floats apart) = src[i] (n, width): a

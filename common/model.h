@@ -59,6 +59,10 @@ class Model {
   // order of the products, which may depend on how many rows a product has (CPU: Eigen's matrix-vector
   // product for one row, its blocked matrix product for more; GPU: gemv_kernel up to fused_tokens(), cuBLAS
   // above): the same greedy tokens, logits within a few 1e-5 (tests/test_batched.cpp measures it).
+  // When it throws: a call refused by its checks (tokens, positions, caches) touches no cache; one that
+  // throws later - a cache's prepare() (a pool out of blocks) or a view larger than the model was set up for
+  // - may leave earlier sequences of the batch prepared for positions never written: discard those caches
+  // (a scheduler checks free blocks first, and would preempt and recompute them).
   std::span<const float> forward(std::span<const SequenceStep> batch, Logits which = Logits::kLastPosition);
 
   // Attach an observer (null detaches). The first attach allocates (max_tokens_per_call, n_heads,

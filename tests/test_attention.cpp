@@ -63,7 +63,7 @@ float compare_with_reference(CpuBackend& backend, const AttentionShape& shape, c
   std::vector<float> weights(std::size_t(n) * shape.n_heads * view.rows, NAN), expected_weights(weights.size());
   const IntBuffer positions = consecutive_positions(backend, pos, n);
   backend.attention(out.data(), q.data(), positions.data(), n, view, shape, scratch, weights.data());
-  test::reference_attention(expected.data(), q.data(), pos, n, view, shape, expected_weights.data());
+  reference_attention(expected.data(), q.data(), pos, n, view, shape, expected_weights.data());
   float worst = 0;
   for (std::size_t i = 0; i < out.size(); ++i) {
     if (!std::isfinite(out[i])) return INFINITY;

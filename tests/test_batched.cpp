@@ -98,7 +98,7 @@ TEST_CASE("paged attention: equals the reference attention over the same view, N
           std::vector<float> q(std::size_t(n) * shape.n_heads * shape.head_dim);
           for (float& x : q) x = normal(gen);
           std::vector<float> expected(q.size());
-          test::reference_attention(expected.data(), q.data(), pos, n, host_view, shape);
+          reference_attention(expected.data(), q.data(), pos, n, host_view, shape);
           const Buffer d_q = test::to_backend(backend, q);
           Buffer d_out(backend, q.size()), scratch(backend, backend.attention_scratch_floats(shape, rows));
           const IntBuffer positions = consecutive_positions(backend, pos, n);

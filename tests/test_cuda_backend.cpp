@@ -257,7 +257,7 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
                              .first_position = first_position, .window = window,
                              .read_rope = rotate_at_read ? table.data() : nullptr};
       std::vector<float> want(q.size()), want_weights(std::size_t(n) * shape.n_heads * rows);
-      test::reference_attention(want.data(), q.data(), pos, n, host_view, shape, want_weights.data());
+      reference_attention(want.data(), q.data(), pos, n, host_view, shape, want_weights.data());
 
       Buffer d_keys = test::to_backend(b, keys), d_values = test::to_backend(b, values), d_q = test::to_backend(b, q);
       Buffer d_out(b, q.size()), scratch(b, b.attention_scratch_floats(shape, rows));

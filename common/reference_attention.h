@@ -1,9 +1,12 @@
 #pragma once
-// Attention written as plainly as it can be, for one query at a time over any KvView: the oracle the
-// backends' fast attention is compared with (the CPU's blocked Eigen products here; the CUDA kernels
-// later). It reads the view's rows only through position_of and key_visible, and a row a query may not
-// see is never touched, so empty rows may hold anything. With read_rope it rotates the query and each
-// key by their rotary positions (kv_cache.h) before the dot product.
+// Attention written as plainly as it can be, one query and one head at a time over any KvView: the readable
+// definition of what Backend::attention computes, and the oracle every fast path is tested against (the CPU's
+// sweeps and Eigen blocks, the CUDA kernels, paged and ring views: tests/test_attention.cpp,
+// test_cuda_backend.cpp, test_batched.cpp). Never called by a chapter: double sums and a query at a time make
+// it slow on purpose, so that nothing in it is clever. It reads the view's rows only through position_of,
+// row_offset and key_visible, and a row a query may not see is never touched, so empty rows may hold
+// anything. With read_rope it rotates the query and each key by their rotary positions (kv_cache.h) before
+// the dot product.
 #include <cmath>
 #include <vector>
 
@@ -11,7 +14,7 @@
 #include "kv_cache.h"
 #include "rope.h"
 
-namespace kvs::test {
+namespace kvs {
 
 // out (n, n_heads·head_dim) for queries q (n, n_heads·head_dim) at positions pos .. pos+n-1; the softmax
 // weights too, (n, n_heads, rows), if `weights` is not null.
@@ -60,4 +63,4 @@ inline void reference_attention(float* out, const float* q, int pos, int n, cons
     }
 }
 
-}  // namespace kvs::test
+}  // namespace kvs
