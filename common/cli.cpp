@@ -144,8 +144,12 @@ ArgParser::Outcome ArgParser::try_parse(int argc, const char* const* argv) {
 
 void ArgParser::parse(int argc, const char* const* argv) {
   const Outcome outcome = try_parse(argc, argv);
-  if (outcome.help) {
-    std::cout << usage();
+  if (outcome.help) {  // help that could not be written is a failed run, like any other output
+    std::cout << usage() << std::flush;
+    if (!std::cout || std::fflush(stdout) != 0 || std::ferror(stdout)) {
+      std::cerr << program_ << ": error: cannot write the help to standard output (a full disk or a closed pipe?)\n";
+      std::exit(1);
+    }
     std::exit(0);
   }
   if (!outcome.error.empty()) {

@@ -475,6 +475,41 @@ TEST_CASE("chapter 05: corrupts one cached key on a small checkpoint, writes its
   CHECK(count_lines(dir.file("kl.csv")) == 1 + 2 * 2 * 11);    // layers x key/value x steps 1..11
 }
 
+TEST_CASE("chapter 05: the default position follows the prompt's length") {
+  // The shipped model. A 204-byte prompt: the old fixed default, position 200, fell outside every prompt shorter
+  // than 201 bytes. The default is 28 positions before the newest one cached at the corruption.
+  const std::string ch05 = binary("05_break_corrupt_key") + " --threads 1 --max-new-tokens 30";
+  const std::string prompt = "And God said, Let there be light: and there was light. And God saw the light, that it was good: "
+                             "and God divided the light from the darkness. And God called the light Day, and the darkness he "
+                             "called Night.";
+  REQUIRE(prompt.size() == 204);
+  for (const auto& [at_step, position] : std::vector<std::pair<int, int>>{{0, 175}, {7, 182}}) {
+    CAPTURE(at_step);
+    const auto r = run_command(ch05 + " --at-step " + std::to_string(at_step) + " --prompt '" + prompt + "'");
+    CAPTURE(r.err);
+    REQUIRE(r.exit_code == 0);
+    const std::string chosen = "--position not given: " + std::to_string(position) + ", 28 positions before the newest one";
+    CHECK(r.err.find(chosen) != std::string::npos);
+    CHECK(r.err.find("the key of position " + std::to_string(position) + " (layer 3, KV head 0)") != std::string::npos);
+    // It reports a divergence or its absence, whichever this prompt gives.
+    CHECK((r.out.find("first different at step") != std::string::npos) != (r.out.find("identical: the corruption") != std::string::npos));
+  }
+  // Too short for the default: one line saying how long the prompt must be; --position or a later step still runs.
+  const std::string short_prompt = " --prompt 'And God said, Let there be light: and there was light.'";  // 54 bytes
+  const auto refused = run_command(ch05 + short_prompt);
+  CHECK(refused.exit_code == 2);
+  CHECK(refused.err.find("the prompt's 54 bytes and --at-step 0 leave 54 positions in the cache at the corruption; the default --position needs 100: give a prompt "
+                         "of at least 100 bytes, a later --at-step, or --position") != std::string::npos);
+  CHECK(refused.out.empty());
+  CHECK(run_command(ch05 + short_prompt + " --position 30").exit_code == 0);
+  // The boundary: 54 + 45 = 99 positions cached at the corruption is one too few; 54 + 46 = 100 runs.
+  CHECK(run_command(ch05 + short_prompt + " --at-step 45 --max-new-tokens 60").err.find("leave 99 positions") != std::string::npos);
+  const auto later = run_command(ch05 + short_prompt + " --at-step 46 --max-new-tokens 60");
+  CAPTURE(later.err);
+  CHECK(later.exit_code == 0);
+  CHECK(later.err.find("--position not given: 71,") != std::string::npos);  // 54 + 46 - 1 - 28
+}
+
 TEST_CASE("chapter 06: the off-by-one cache fails the equivalence check the correct one passes, probes, bad shifts") {
   const std::string ch06 = binary("06_break_off_by_one") + " --model " + golden_path("mha.bin") + " --threads 1";
   kvs::test::TempDir dir;

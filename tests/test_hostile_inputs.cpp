@@ -114,6 +114,21 @@ TEST_CASE("results: text that cannot be written to stdout is an error") {
   }
 }
 
+TEST_CASE("results: --help that cannot be written is an error; written, it exits 0") {
+  for (const std::string name : {"00_perplexity", "01_naive_generation", "02_dynamic_cache", "03_preallocated_cache",
+                                 "03_benchmark", "04_sliding_window", "05_break_corrupt_key", "06_break_off_by_one",
+                                 "08_paged_batching"}) {
+    CAPTURE(name);
+    const std::string help = binary(name) + " --help";
+    const auto full = run_command("(" + help + " > /dev/full)");
+    CHECK(full.exit_code == 1);
+    CHECK(full.err.find(name + ": error: cannot write the help to standard output") != std::string::npos);
+    const auto ok = run_command(help);
+    CHECK(ok.exit_code == 0);
+    CHECK(ok.out.rfind("usage: " + name, 0) == 0);
+  }
+}
+
 TEST_CASE("results: an output path that is an input is refused and the input survives") {
   TempDir dir;
   const std::string model = dir.file("m.bin"), prompt = dir.file("prompt.txt");

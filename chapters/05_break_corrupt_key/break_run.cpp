@@ -39,6 +39,16 @@ void check_corruption(const Corruption& c, const ModelConfig& config, int prompt
         "at step " + std::to_string(c.at_step) + " the cache holds positions");
 }
 
+int default_position(int prompt_len, int at_step) {
+  const int cached = prompt_len + at_step;
+  if (cached < kDefaultMinCached)
+    throw UsageError("the prompt's " + std::to_string(prompt_len) + " bytes and --at-step " + std::to_string(at_step) +
+                     " leave " + std::to_string(cached) + " positions in the cache at the corruption; the default --position needs " +
+                     std::to_string(kDefaultMinCached) + ": give a prompt of at least " +
+                     std::to_string(kDefaultMinCached - at_step) + " bytes, a later --at-step, or --position");
+  return cached - 1 - kDefaultDistance;
+}
+
 BreakRun run_greedy(Model& model, std::span<const int> prompt, int new_tokens, const BreakOptions& options) {
   const ModelConfig& config = model.config();
   Backend& backend = model.backend();

@@ -58,6 +58,17 @@ BreakRun run_greedy(Model& model, std::span<const int> prompt, int new_tokens, c
 // already cached at the step it is corrupted at, a step within the run. Throws UsageError naming the flag.
 void check_corruption(const Corruption& c, const ModelConfig& config, int prompt_len, int new_tokens);
 
+// The default --position: kDefaultDistance positions before the newest one the cache holds when the
+// corruption happens (right after generated token at_step: prompt_len + at_step positions cached) - position
+// 200 after the default 229-byte prompt, the book's run. Why a distance, not a fixed position: what a
+// corrupted key does depends on how far back it lies from the queries that read it (the sweep measures it by
+// position), so a distance keeps the default the same experiment whatever the prompt's length. The default
+// needs the cache to hold at least kDefaultMinCached positions then (the experiment the book follows:
+// "once the cache holds at least 100 tokens"); throws UsageError saying how long the prompt must be.
+constexpr int kDefaultDistance = 28;
+constexpr int kDefaultMinCached = 100;
+int default_position(int prompt_len, int at_step);
+
 // max |a - b| over each row (kv_dim floats) of two caches holding the same positions: [layer][position].
 struct CacheDifference {
   std::vector<std::vector<float>> keys, values;

@@ -31,8 +31,9 @@ int main(int argc, char** argv) {
   options.max_new_tokens = 200;
   std::string experiment = "run", kind_name = "normal", contamination_csv, kl_csv;
   // The defaults make the lesson visible on the shipped model: a random key ~9x the norm of the one it
-  // replaces, in layer 3, 28 positions back; the text changes 26 steps later (the sweep shows the spread).
-  kvs::ch05::Corruption corruption{.layer = 3, .kv_head = 0, .position = 200, .at_step = 0, .amount = 16};
+  // replaces, in layer 3, 28 positions back (default_position); the text changes 26 steps later (the sweep
+  // shows the spread).
+  kvs::ch05::Corruption corruption{.layer = 3, .kv_head = 0, .at_step = 0, .amount = 16};
   bool value = false;
   int restore_after = 20, prompts = 4, seeds = 3, every = 10, prompt_bytes = 229;
   float amount = 0;  // --amount; the default depends on --kind
@@ -58,7 +59,10 @@ int main(int argc, char** argv) {
   parser.add_string("--experiment", "NAME", "run or sweep (default run)", &experiment);
   parser.add_int("--layer", "layer of the corrupted vector (default 3)", &corruption.layer, -1000000, 1000000);
   parser.add_int("--kv-head", "KV head of the corrupted vector (default 0)", &corruption.kv_head, -1000000, 1000000);
-  parser.add_int("--position", "cached position to corrupt (default 200)", &corruption.position, -1000000, 1000000);
+  parser.add_int("--position",
+                 "cached position to corrupt (default: the 28th before the newest cached one at the corruption, 200 with "
+                 "the default prompt; needs 100 positions cached)",
+                 &corruption.position, -1000000, 1000000);
   parser.add_int("--at-step", "corrupt right after generated token N (default 0: after the prefill)", &corruption.at_step,
                  -1000000, 1000000);
   parser.add_string("--kind", "KIND", "normal (random, seeded), zeros, or scale (default normal)", &kind_name);
@@ -111,9 +115,15 @@ int main(int argc, char** argv) {
     // Caches alive at once, each of prompt + new tokens positions: the run keeps its six runs' caches (clean,
     // free, forced, and three restored), the sweep three (clean, free, forced).
     rt.plan_kv_cache((experiment == "run" ? 6 : 3) * kvs::kv_cache_bytes(c, prompt_len + options.max_new_tokens));
-    std::cerr << rt.describe() << "\n";
-    if (experiment == "run") {
+    if (experiment == "run") {  // checked before anything is printed: a refusal is one line
+      if (!parser.given("--position")) corruption.position = kvs::ch05::default_position(prompt_len, corruption.at_step);
       kvs::ch05::check_corruption(corruption, c, prompt_len, options.max_new_tokens);
+    }
+    std::cerr << rt.describe() << "\n";
+    if (experiment == "run" && !parser.given("--position"))
+      std::cerr << "--position not given: " << corruption.position << ", " << kvs::ch05::kDefaultDistance
+                << " positions before the newest one cached at the corruption\n";
+    if (experiment == "run") {
       kvs::CsvWriter steps_csv({"--csv", options.csv},
                                "step,position,clean_token,corrupted_token,tokens_match,kl,max_abs_logit,kl_vector_restored,"
                                "kl_all_restored,head,attention_clean,attention_corrupted",
