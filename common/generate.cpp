@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "progress.h"
 #include "timing.h"
 
 namespace kvs {
@@ -80,11 +81,16 @@ Generation generate_cached(Model& model, KvCache& cache, Sampler& sampler, std::
   const int chunk = prefill_chunk > 0 ? prefill_chunk : prompt_len;
 
   // Prefill: every prompt position once, chunk by chunk; each chunk attends to the cached prefix and
-  // causally within itself. Only the last chunk's last logits are needed.
+  // causally within itself. Only the last chunk's last logits are needed. A long prompt shows progress (a
+  // 1.2 MB prompt file through chapter 04 took 92 s on 2 cores); a short one prints nothing (progress.h).
   Stopwatch timer;
   std::span<const float> logits;
-  for (int pos = 0; pos < prompt_len; pos += chunk)
-    logits = model.forward(prompt.subspan(pos, std::min(chunk, prompt_len - pos)), pos, &cache);
+  Progress progress("prefill", "positions");
+  for (int pos = 0; pos < prompt_len; pos += chunk) {
+    const int n = std::min(chunk, prompt_len - pos);
+    logits = model.forward(prompt.subspan(pos, n), pos, &cache);
+    progress.update(pos + n, prompt_len);
+  }
   accept(g, 0, next(0, logits), logits, timer, on_token, on_logits);
 
   // Decode: one new position per step; everything before it is read from the cache.

@@ -146,6 +146,18 @@ TEST_CASE("chapter 04: a ring of window + chunk - 1 slots, past the trained cont
   CHECK(r.err.find("315 positions went through a ring of 11 slots (window 8 + chunk 4 - 1)") != std::string::npos);
   CHECK(r.err.find("2 * 2 layers * 4 kv_heads * 16 head_dim * 11 slots * 4 bytes = 11264 bytes") != std::string::npos);
   CHECK(r.err.find("p99") != std::string::npos);
+  // A long prompt's prefill shows progress (every chunk here: KVS_PROGRESS_MS=0), a line per update in a file.
+  kvs::test::TempDir prompt_dir;
+  std::string long_prompt;
+  while (long_prompt.size() < 330) long_prompt += "In the beginning God created the heaven and the earth. ";
+  std::ofstream(prompt_dir.file("prompt.txt")) << long_prompt.substr(0, 330);
+  const auto prefill = run_command("KVS_PROGRESS_MS=0 " + ch04 + " --prompt-file " + prompt_dir.file("prompt.txt") +
+                                   " --chunk 64 --max-new-tokens 5 --positions within-window");
+  CAPTURE(prefill.err);
+  REQUIRE(prefill.exit_code == 0);
+  CHECK(prefill.err.find("\r") == std::string::npos);
+  for (int done : {64, 128, 192, 256, 320, 330})
+    CHECK(prefill.err.find("  prefill: " + std::to_string(done) + " of 330 positions, ") != std::string::npos);
   // Absolute positions stop at the context, before anything runs, and say what to use instead.
   const auto past = run_command(ch04 + " --window 8 --max-new-tokens 300");
   CHECK(past.exit_code == 2);
@@ -259,16 +271,14 @@ TEST_CASE("chapter 00: perplexity of a small text, and a bad context is refused"
                                " --context 1000");
   CHECK(bad.exit_code == 2);
   CHECK(bad.err.find("--context 1000 exceeds the model's context of 96") != std::string::npos);
-  // Progress: about a hundred updates however many chunks (10,000 here; it was one per 10 chunks).
-  const auto many = run_command(binary("00_perplexity") + " --model " + golden_path("mha.bin") +
-                                " --context 3 --max-bytes 30000 --threads 1");
-  CAPTURE(many.err.size());
+  // Progress (common/progress.h), every update (KVS_PROGRESS_MS=0) and to a file: a line each, no carriage return.
+  const auto many = run_command("KVS_PROGRESS_MS=0 " + binary("00_perplexity") + " --model " + golden_path("mha.bin") +
+                                " --context 3 --max-bytes 300 --threads 1");
+  CAPTURE(many.err);
   REQUIRE(many.exit_code == 0);
-  std::size_t updates = 0;
-  for (std::size_t at = many.err.find("\r  chunk "); at != std::string::npos; at = many.err.find("\r  chunk ", at + 1)) ++updates;
-  CHECK(updates >= 100);
-  CHECK(updates <= 101);
-  CHECK(many.err.find("\r  chunk 10000 / 10000") != std::string::npos);
+  CHECK(many.err.find("\r") == std::string::npos);
+  CHECK(many.err.find("  evaluated: 1 of 100 chunks, ") != std::string::npos);
+  CHECK(many.err.find("  evaluated: 100 of 100 chunks, ") != std::string::npos);
 }
 
 TEST_CASE("03_benchmark: a small sweep runs, every cache matches naive, and the CSVs have one row per run") {

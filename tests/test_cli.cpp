@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cli.h"
+#include "progress.h"
 #include "test_util.h"
 
 using namespace kvs;
@@ -108,4 +109,34 @@ TEST_CASE("cli: more threads than cores and sampling flags without sampling are 
   CHECK(parse({"--top-k", "3"}).outcome.error.find("only apply when sampling") != std::string::npos);
   CHECK(parse({"--temperature", "0.5", "--top-k", "3"}).outcome.error.empty());
   CHECK(parse({"--csv", ""}).outcome.error == "--csv needs a non-empty value");
+}
+
+// What a Progress wrote to a temporary file.
+std::string progress_output(int terminal, double interval_ms, const std::vector<std::pair<int, int>>& updates) {
+  std::FILE* out = std::tmpfile();
+  REQUIRE(out != nullptr);
+  {
+    Progress progress("prefill", "positions", {.out = out, .interval_ms = interval_ms, .terminal = terminal});
+    for (const auto& [done, total] : updates) progress.update(done, total);
+  }
+  std::string text(static_cast<std::size_t>(std::ftell(out)), '\0');
+  std::rewind(out);
+  CHECK(std::fread(text.data(), 1, text.size(), out) == text.size());
+  std::fclose(out);
+  return text;
+}
+
+TEST_CASE("progress: quiet within its interval, a line per update off a terminal, one rewritten line on one") {
+  const std::vector<std::pair<int, int>> updates = {{1, 3}, {2, 3}, {3, 3}, {3, 3}};
+  // A run shorter than the interval (an hour here) prints nothing, its last update included.
+  CHECK(progress_output(0, 3.6e6, updates).empty());
+  CHECK(progress_output(1, 3.6e6, updates).empty());
+  // Every update once the interval has passed (0): lines of their own in a file, the last one once.
+  CHECK(progress_output(0, 0, updates) ==
+        "  prefill: 1 of 3 positions, 0 s\n  prefill: 2 of 3 positions, 0 s\n  prefill: 3 of 3 positions, 0 s\n");
+  // On a terminal, one line rewritten in place, ended once.
+  CHECK(progress_output(1, 0, updates) ==
+        "\r  prefill: 1 of 3 positions, 0 s\r  prefill: 2 of 3 positions, 0 s\r  prefill: 3 of 3 positions, 0 s\n");
+  // A run that stops before its last update still ends the terminal's line.
+  CHECK(progress_output(1, 0, {{1, 3}}) == "\r  prefill: 1 of 3 positions, 0 s\n");
 }

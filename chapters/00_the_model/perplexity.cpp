@@ -7,6 +7,7 @@
 #include "backends.h"
 #include "cli.h"
 #include "perplexity.h"
+#include "progress.h"
 #include "runtime.h"
 #include "timing.h"
 #include "tokenizer.h"
@@ -50,13 +51,10 @@ int main(int argc, char** argv) {
 
     const kvs::Stopwatch timer;
     const std::vector<int> tokens = kvs::encode_bytes(text);
-    // About a hundred updates whatever the chunk count (--context 3 makes 70,000 chunks of the held-out text:
-    // a line rewritten 7,000 times filled 140 KB of a redirected stderr).
-    const kvs::Perplexity p = kvs::evaluate_perplexity(model, tokens, context, [](int done, int total) {
-      if (done % std::max(10, total / 100) == 0 || done == total) std::fprintf(stderr, "\r  chunk %d / %d", done, total);
-    });
+    kvs::Progress progress("evaluated", "chunks");  // once a second at most (--context 3 makes 70,000 chunks)
+    const kvs::Perplexity p = kvs::evaluate_perplexity(model, tokens, context,
+                                                       [&](int done, int total) { progress.update(done, total); });
     const double seconds = timer.milliseconds() / 1000;
-    std::fprintf(stderr, "\n");
     std::printf("%.6f bits/byte, perplexity %.4f per byte (%lld bytes predicted, context %d, %d chunks, %.1f s)\n",
                 p.bits_per_byte, p.perplexity, static_cast<long long>(p.predicted), context, p.chunks, seconds);
     csv.row(text_path, text.size(), context, p.chunks, p.bits_per_byte, p.perplexity, seconds);

@@ -7,8 +7,8 @@
 #include <limits>
 
 #include "break_run.h"
+#include "progress.h"
 #include "report.h"
-#include "timing.h"
 #include "tokenizer.h"
 
 namespace kvs::ch05 {
@@ -209,7 +209,7 @@ void sweep(Model& model, const std::string& held_out, int prompts, int seeds, in
   std::vector<std::vector<std::vector<std::vector<double>>>> kl(
       2, std::vector<std::vector<std::vector<double>>>(config.n_layers, std::vector<std::vector<double>>(new_tokens)));
   int done = 0;
-  const Stopwatch wall;
+  Progress progress("sweep", "corruptions");
   for (int t = 0; t < prompts; ++t) {
     const std::span<const int> prompt = texts[t];
     const BreakRun clean = run_greedy(model, prompt, new_tokens, {});
@@ -236,12 +236,10 @@ void sweep(Model& model, const std::string& held_out, int prompts, int seeds, in
             steps[part][layer][i].push_back(first < 0 ? kNever : first);
             csv.row(t, layer, c.position, to_string(c.part), seed, first, kl_sum / (new_tokens - 1),
                     attention_sum / (new_tokens - 1));
-            if (++done % 20 == 0 || done == configs)
-              std::fprintf(stderr, "\r  %d of %d corruptions, %.0f s", done, configs, wall.milliseconds() / 1000);
+            progress.update(++done, configs);
           }
     csv.commit();  // a long run keeps what it finished
   }
-  std::fprintf(stderr, "\n");
 
   // Steps until the first different token: median per layer and position, and overall.
   auto cell = [](double v) { return std::isinf(v) ? std::string("never") : std::to_string(static_cast<int>(v)); };

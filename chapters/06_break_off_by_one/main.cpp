@@ -15,6 +15,7 @@
 #include "equivalence.h"
 #include "generate.h"
 #include "off_by_one_kv_cache.h"
+#include "progress.h"
 #include "runtime.h"
 #include "tokenizer.h"
 
@@ -113,6 +114,7 @@ void probes(kvs::Runtime& rt, const std::string& held_out, int shift, int prompt
                        "off-by-one (%+d) cache; a probe of n tokens passes if the equivalence check passes its first n "
                        "steps\n", prompts, std::min(16, max_prompt_bytes), max_prompt_bytes, longest, shift);
   std::vector<int> token_passes(lengths.size()), full_passes(lengths.size());
+  kvs::Progress progress("probes", "prompts");
   for (int k = 0; k < prompts; ++k) {
     const std::span<const int> prompt = texts[k];
     const int n = static_cast<int>(prompt.size());
@@ -128,9 +130,9 @@ void probes(kvs::Runtime& rt, const std::string& held_out, int shift, int prompt
       token_passes[i] += e.first_token_mismatch < 0;
       full_passes[i] += e.passed();
     }
-    std::fprintf(stderr, "\r  %d of %d prompts", k + 1, prompts);
+    progress.update(k + 1, prompts);
   }
-  std::fprintf(stderr, "\n\n  %12s %22s %24s\n", "probe tokens", "passes: tokens only", "passes: tokens + logits");
+  std::fprintf(stderr, "\n  %12s %22s %24s\n", "probe tokens", "passes: tokens only", "passes: tokens + logits");
   for (std::size_t i = 0; i < lengths.size(); ++i) {
     std::fprintf(stderr, "  %12d %15d of %3d %17d of %3d\n", lengths[i], token_passes[i], prompts, full_passes[i], prompts);
     csv.row(shift, lengths[i], prompts, token_passes[i], full_passes[i]);

@@ -1,41 +1,24 @@
 #include "experiments.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <numeric>
 
 #include "03_preallocated_cache/breakdown.h"
+#include "progress.h"
 #include "timing.h"
 #include "tokenizer.h"
 
 namespace kvs::ch08 {
 namespace {
 
-// A progress line on stderr at most once a second: rewritten in place on a terminal, one line per update
-// elsewhere (a log file, CI).
-class Progress {
- public:
-  explicit Progress(std::string what) : what_(std::move(what)), terminal_(isatty(STDERR_FILENO)) {}
-  void update(int done, int total) {
-    if (clock_.milliseconds() < next_ms_ && (done < total || !printed_)) return;  // runs under a second: silent
-    printed_ = true;
-    next_ms_ = clock_.milliseconds() + 1000;
-    std::fprintf(stderr, "%s  %s: %d of %d requests finished, %.0f s", terminal_ ? "\r" : "", what_.c_str(), done, total,
-                 clock_.milliseconds() / 1000);
-    if (!terminal_ || done == total) std::fprintf(stderr, "\n");
-  }
+// Progress of a scheduler run (common/progress.h): requests finished.
+struct ServeProgress {
+  explicit ServeProgress(std::string what) : progress(std::move(what), "requests finished") {}
   OnStep on_step() {
-    return [this](const RunStats&, int finished, int requests) { update(finished, requests); };
+    return [this](const RunStats&, int finished, int requests) { progress.update(finished, requests); };
   }
-
- private:
-  std::string what_;
-  bool terminal_;
-  Stopwatch clock_;
-  double next_ms_ = 1000;
-  bool printed_ = false;
+  Progress progress;
 };
 
 std::vector<double> collect(const std::vector<RequestResult>& results, double (RequestResult::*metric)() const) {
@@ -100,7 +83,7 @@ int serve_trace(Setup& s) {
                        "positions (%s)\n", s.requests.size(), to_string(s.options.batching), s.options.max_batch,
                s.options.token_budget, pool.blocks(), pool.block_size(), format_bytes(double(pool.allocated_bytes())).c_str());
   std::vector<RequestResult> results;
-  Progress progress("serving");
+  ServeProgress progress("serving");
   const RunStats stats = serve(s.rt.model, pool, s.requests, s.options, results, progress.on_step());
   for (std::size_t i = 0; i < std::min<std::size_t>(2, results.size()); ++i)
     std::printf("[request %zu] %s|%s\n", i, printable(s.requests[i].prompt).c_str(), printable(results[i].output).c_str());
@@ -196,7 +179,7 @@ int memory_waste(Setup& s) {
   for (int block_size : sizes) {
     BlockPool pool = make_pool(s, block_size, s.kv_memory, options.max_batch);
     std::vector<RequestResult> results;
-    Progress progress("block size " + std::to_string(block_size));
+    ServeProgress progress("block size " + std::to_string(block_size));
     const RunStats stats = serve(s.rt.model, pool, s.requests, options, results, progress.on_step());
     const double bytes = double(pool.bytes_per_position());
     const double reserved = stats.reserved_position_steps / stats.steps * bytes, live = stats.live_position_steps / stats.steps * bytes;
@@ -225,7 +208,7 @@ int batching(Setup& s) {
     options.batching = b;
     BlockPool pool = make_pool(s, s.block_size, s.kv_memory, options.max_batch);
     std::vector<RequestResult> results;
-    Progress progress(to_string(b));
+    ServeProgress progress(to_string(b));
     const RunStats stats = serve(s.rt.model, pool, s.requests, options, results, progress.on_step());
     const auto latency = collect(results, &RequestResult::latency_ms);
     const double idle = double(stats.idle_slot_steps) / double(stats.slot_steps);
@@ -255,7 +238,7 @@ int preemption(Setup& s) {
   for (std::int64_t bytes : {everyone, s.kv_memory}) {
     BlockPool pool = make_pool(s, s.block_size, bytes, s.options.max_batch);
     std::vector<RequestResult> results;
-    Progress progress(format_bytes(double(bytes)) + " pool");
+    ServeProgress progress(format_bytes(double(bytes)) + " pool");
     const RunStats stats = serve(s.rt.model, pool, s.requests, s.options, results, progress.on_step());
     if (unconstrained.empty()) unconstrained = outputs_of(results);
     const int same = count_identical(results, unconstrained);
