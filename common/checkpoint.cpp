@@ -177,6 +177,7 @@ Checkpoint Checkpoint::synthetic(const ModelConfig& config, std::uint64_t seed) 
                          config.shared_classifier ? config.vocab_size : -config.vocab_size, config.seq_len};
   Checkpoint checkpoint;
   checkpoint.path_ = "synthetic";
+  checkpoint.generated_ = true;
   checkpoint.config_ = validate_header(header, checkpoint.path_);
   checkpoint.bytes_ = checkpoint_bytes(checkpoint.config_);
   void* mapping = ::mmap(nullptr, checkpoint.bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);

@@ -58,6 +58,9 @@ class Checkpoint {
   // still print text. Reads every weight, so the model calls it as it copies them, not the constructor.
   void require_finite_weights() const;
   const std::string& path() const { return path_; }
+  // Whether the weights were generated in memory (synthetic()): the host then holds them for the whole run,
+  // where a file's are mapped pages the operating system may drop.
+  bool generated() const { return generated_; }
   std::size_t file_bytes() const { return bytes_; }
 
  private:
@@ -68,6 +71,7 @@ class Checkpoint {
   TensorPointers tensors_{};
   void* mapping_ = nullptr;
   std::size_t bytes_ = 0;
+  bool generated_ = false;
 };
 
 // The same header checks the loader makes, on a header alone; throws CheckpointError naming `path`.

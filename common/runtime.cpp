@@ -13,7 +13,7 @@ namespace {
 
 // --synthetic DIM,LAYERS,HEADS,KV_HEADS: the hidden size Llama's rule gives (8/3 · dim, rounded up to a
 // multiple of 256), the byte vocabulary, a context of 2^16 positions.
-Checkpoint synthetic_model(const std::string& shape) {
+Checkpoint synthetic_model(const std::string& shape, std::int64_t memory_limit) {
   const std::vector<int> v = parse_int_list("--synthetic", shape, 1, 1 << 14);
   if (v.size() != 4) throw UsageError("--synthetic takes four numbers, DIM,LAYERS,HEADS,KV_HEADS (e.g. 2048,16,16,4)");
   ModelConfig c{.dim = v[0], .hidden_dim = (8 * v[0] / 3 + 255) / 256 * 256, .n_layers = v[1], .n_heads = v[2],
@@ -21,13 +21,18 @@ Checkpoint synthetic_model(const std::string& shape) {
   if (c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0 || (c.dim / c.n_heads) % 2 != 0)
     throw UsageError("--synthetic " + shape + ": DIM must be a multiple of HEADS with an even quotient, and KV_HEADS must "
                      "divide HEADS");
+  // Refused before gigabytes are generated: the host's copy and the backend's alone exceed the limit.
+  if (2 * Model::weight_bytes(c) > memory_limit)
+    throw UsageError("--synthetic " + shape + ": its weights need " + format_bytes(double(Model::weight_bytes(c))) +
+                     " on the host and as much in the backend, more than --memory-limit " +
+                     format_bytes(double(memory_limit)) + "; choose a smaller shape or raise --memory-limit");
   return Checkpoint::synthetic(c);
 }
 
 Checkpoint load_for_chapters(const CommonOptions& options) {
   if (!options.synthetic.empty()) {
     if (!options.model.empty()) throw UsageError("--synthetic replaces --model; give one of them");
-    return synthetic_model(options.synthetic);
+    return synthetic_model(options.synthetic, options.memory_limit);
   }
   Checkpoint checkpoint(resolve_model_path(options));
   if (checkpoint.config().vocab_size != kByteVocab)
@@ -80,6 +85,13 @@ void Runtime::plan_kv_cache(std::int64_t bytes) {
   memory = plan;
 }
 
+void Runtime::plan_other(std::int64_t bytes, const std::string& what) {
+  MemoryPlan plan = memory;
+  plan.other = bytes, plan.other_what = what;
+  check_memory(plan, memory_limit);
+  memory = plan;
+}
+
 MemoryPlan plan_memory(const Checkpoint& checkpoint, const Backend& backend, int positions, int cache_positions,
                        int kv_rows) {
   const ModelConfig& c = checkpoint.config();
@@ -88,13 +100,18 @@ MemoryPlan plan_memory(const Checkpoint& checkpoint, const Backend& backend, int
                     .working = Model::working_bytes(c, backend, positions, kv_rows),
                     .kv_cache = kv_cache_bytes(c, cache_positions),
                     .positions = positions,
-                    .kv_rows = kv_rows};
+                    .kv_rows = kv_rows,
+                    .host_weights = checkpoint.generated() ? std::int64_t(checkpoint.file_bytes()) : 0,
+                    .other = 0,
+                    .other_what = {}};
 }
 
 std::string MemoryPlan::describe() const {
   std::string line = "memory: weights " + format_bytes(double(weights)) + " + working buffers " +
                      format_bytes(double(working)) + " for " + std::to_string(positions) + " positions";
   if (kv_cache > 0) line += " + KV cache " + format_bytes(double(kv_cache));
+  if (host_weights > 0) line += " + generated weights on the host " + format_bytes(double(host_weights));
+  if (other > 0) line += " + " + other_what + " " + format_bytes(double(other));
   return line + " = " + format_bytes(double(total()));
 }
 

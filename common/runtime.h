@@ -27,7 +27,10 @@ struct MemoryPlan {
   std::int64_t kv_cache = 0;        // the KV cache of the run's longest sequence (0: no cache)
   int positions = 0;                // the longest call: what the buffers and the cache are sized for
   int kv_rows = 0;                  // the most rows a cache shows attention
-  std::int64_t total() const { return weights + working + kv_cache; }
+  std::int64_t host_weights = 0;    // --synthetic: the generated weights the host holds (a file's are mapped)
+  std::int64_t other = 0;           // what a run allocates beside the model and its caches (0: nothing)
+  std::string other_what;           // what that is, for the line describe() prints
+  std::int64_t total() const { return weights + working + kv_cache + host_weights + other; }
   std::string describe() const;     // one line for stderr
 };
 // The plan for a model whose calls take up to `positions` tokens and whose attention reads up to
@@ -55,6 +58,9 @@ class Runtime {
   // The KV caches this run will hold at its peak, in bytes, when they differ from one cache of the run's
   // longest sequence (the default plan): re-checks --memory-limit (throws UsageError) and updates the plan.
   void plan_kv_cache(std::int64_t bytes);
+  // Memory the run allocates beside the model and the KV caches (a second model, measurement buffers: `what`
+  // says which), host or backend: re-checks --memory-limit (throws UsageError) and updates the plan.
+  void plan_other(std::int64_t bytes, const std::string& what);
 
   // Setup and memory plan, two lines for stderr.
   std::string describe() const { return describe_setup(checkpoint, backend) + "\n" + memory.describe(); }

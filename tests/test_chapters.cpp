@@ -277,6 +277,8 @@ TEST_CASE("chapter 00: perplexity of a small text, and a bad context is refused"
   CAPTURE(many.err);
   REQUIRE(many.exit_code == 0);
   CHECK(many.err.find("\r") == std::string::npos);
+  // The default text is named as the repository names it, not by this machine's absolute path.
+  CHECK(many.err.find("evaluating 300 bytes of data/kjv/valid.txt in chunks of 3") != std::string::npos);
   CHECK(many.err.find("  evaluated: 1 of 100 chunks, ") != std::string::npos);
   CHECK(many.err.find("  evaluated: 100 of 100 chunks, ") != std::string::npos);
 }
@@ -326,7 +328,12 @@ TEST_CASE("03_benchmark --breakdown: one row per length, the parts add up to the
   CHECK(r.err.find("of limit") != std::string::npos);
   // The plan counts the two caches the breakdown holds (plain and profiled runs): 2 x (40 + 20 positions) x
   // 2 layers x 64 floats x 2 (K, V) x 4 bytes = 120 KiB.
-  CHECK(r.err.find("+ KV cache 120 KiB =") != std::string::npos);
+  CHECK(r.err.find("+ KV cache 120 KiB + profiled model and probes ") != std::string::npos);
+  // ... and what the breakdown allocates beside them (the profiled model, the 1024 x 1024 matrices of the peak
+  // rate: 16 MiB, the bandwidth probe), so --memory-limit bounds that too: 17 MiB is refused.
+  const auto over = run_command(bench + " --breakdown --lengths 8,40 --max-new-tokens 20 --memory-limit 17MiB");
+  CHECK(over.exit_code == 2);
+  CHECK(over.err.find("+ profiled model and probes 17.2 MiB = 18.2 MiB), more than --memory-limit 17 MiB") != std::string::npos);
   const auto lines = kvs::test::read_csv(csv);
   REQUIRE(lines.size() == 3);  // the header and one row per length
   CHECK(lines[0] == std::vector<std::string>{"prompt_tokens", "step_ms_mean", "step_ms_p50", "step_ms_p99", "matmul_ms",
@@ -364,6 +371,12 @@ TEST_CASE("03_benchmark --synthetic: random weights of a chosen shape, and shape
     CHECK(bad.err.find("--synthetic") != std::string::npos);
   }
   CHECK(run_command(bench + " --synthetic 64,3,4,2 --model x.bin").exit_code == 2);
+  // Its weights are generated on the host and uploaded: counted twice, and refused before they are generated.
+  CHECK(r.err.find("+ generated weights on the host ") != std::string::npos);
+  const auto big = run_command(bench + " --synthetic 2048,16,16,4 --memory-limit 1GiB");
+  CHECK(big.exit_code == 2);
+  CHECK(big.err.find("--synthetic 2048,16,16,4: its weights need 2.7 GiB on the host and as much in the backend, more "
+                     "than --memory-limit 1 GiB") != std::string::npos);
 }
 
 TEST_CASE("03_benchmark --context-wall: caches grow until --memory-limit refuses, the wall within 0.1% of the formula") {

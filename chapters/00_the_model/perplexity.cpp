@@ -39,6 +39,8 @@ int main(int argc, char** argv) {
     kvs::Backend& backend = *backend_owner;
     const kvs::MemoryPlan memory = kvs::plan_memory(checkpoint, backend, context, 0);
     kvs::check_memory(memory, options.memory_limit);
+    // Printed and written as the user gave it, or as the repository names the default: the same on every machine.
+    const std::string text_name = text_path.empty() ? "data/kjv/valid.txt" : text_path;
     if (text_path.empty()) text_path = kvs::find_data_file("kjv/valid.txt");
     kvs::CsvWriter csv({"--csv", options.csv}, "text,bytes,context,chunks,bits_per_byte,perplexity,seconds",
                        {{"--model", checkpoint.path()}, {"--text", text_path}});
@@ -47,7 +49,7 @@ int main(int argc, char** argv) {
                                                   max_bytes > 0);
     kvs::Model model(checkpoint, backend, context, context);  // one chunk of `context` positions per call
     std::cerr << kvs::describe_setup(checkpoint, backend) << "\n" << memory.describe() << "\nevaluating "
-              << text.size() << " bytes of " << text_path << " in chunks of " << context << "\n";
+              << text.size() << " bytes of " << text_name << " in chunks of " << context << "\n";
 
     const kvs::Stopwatch timer;
     const std::vector<int> tokens = kvs::encode_bytes(text);
@@ -57,7 +59,7 @@ int main(int argc, char** argv) {
     const double seconds = timer.milliseconds() / 1000;
     std::printf("%.6f bits/byte, perplexity %.4f per byte (%lld bytes predicted, context %d, %d chunks, %.1f s)\n",
                 p.bits_per_byte, p.perplexity, static_cast<long long>(p.predicted), context, p.chunks, seconds);
-    csv.row(text_path, text.size(), context, p.chunks, p.bits_per_byte, p.perplexity, seconds);
+    csv.row(text_name, text.size(), context, p.chunks, p.bits_per_byte, p.perplexity, seconds);
     csv.commit();
     return 0;
   });

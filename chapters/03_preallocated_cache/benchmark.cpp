@@ -143,6 +143,8 @@ int main(int argc, char** argv) {
     const std::vector<int> lengths = lengths_that_fit(asked_lengths, c.seq_len, options.max_new_tokens, shortened);
     if (breakdown) {
       rt.plan_kv_cache(kvs::ch03::breakdown_cache_bytes(c, lengths, options.max_new_tokens));
+      rt.plan_other(kvs::ch03::breakdown_other_bytes(c, rt.backend, lengths, options.max_new_tokens),
+                    "profiled model and probes");
     } else {
       std::int64_t peak = 0;  // one cache at a time: the largest peak over lengths and policies
       for (int prompt_len : lengths) {

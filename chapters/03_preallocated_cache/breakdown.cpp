@@ -29,7 +29,7 @@ double prefill_flops(const ModelConfig& c, int positions) {
 }
 
 double measure_matmul_gflops(Backend& backend) {
-  constexpr int kSize = 1024;
+  constexpr int kSize = kPeakSize;
   const std::size_t floats = std::size_t(kSize) * kSize;
   Buffer x(backend, floats), out(backend, floats);
   const std::vector<float> ones(floats, 1.0f / kSize);
@@ -98,6 +98,18 @@ int longest_run_positions(const std::vector<int>& lengths, int new_tokens) {
 
 std::int64_t breakdown_cache_bytes(const ModelConfig& c, const std::vector<int>& lengths, int new_tokens) {
   return 2 * kv_cache_bytes(c, longest_run_positions(lengths, new_tokens));
+}
+
+std::int64_t breakdown_other_bytes(const ModelConfig& c, const Backend& backend, const std::vector<int>& lengths,
+                                   int new_tokens) {
+  const int longest = *std::max_element(lengths.begin(), lengths.end());
+  const std::int64_t profiled_model =
+      Model::weight_bytes(c) + Model::working_bytes(c, backend, std::max(1, longest), longest + new_tokens);
+  constexpr std::int64_t kMatrix = std::int64_t{kPeakSize} * kPeakSize * 4;
+  const std::int64_t peak_rate = 4 * kMatrix;  // x, out and the uploaded matrix in the backend; the host's ones
+  // The probe's buffer: the bytes of the step with the most positions (decode_breakdown: + steps / 2).
+  const std::int64_t probe = std::max<std::int64_t>(decode_step_bytes(c, longest + (new_tokens - 1) / 2).total(), 4096);
+  return profiled_model + peak_rate + (backend.host_memory() ? probe : 3 * probe);
 }
 
 void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vector<int>& lengths, int new_tokens,

@@ -26,6 +26,7 @@ double prefill_flops(const ModelConfig& c, int positions);
 
 // GFLOP/s of a 1024 x 1024 x 1024 matrix product through the backend's own matmul, best of several after a
 // warm-up: the arithmetic peak prefill could reach on this machine, with these threads.
+constexpr int kPeakSize = 1024;
 double measure_matmul_gflops(Backend& backend);
 
 // Read bandwidth in GB/s (1e9 bytes/s) of summing `bytes` of floats, on `threads` threads (each its own
@@ -40,6 +41,14 @@ double measure_copy_gbs(Backend& backend, std::int64_t bytes);
 // The KV cache bytes decode_breakdown holds for the whole sweep: two caches (the plain and the profiled
 // runs') of the longest length plus new_tokens positions. For the run's memory plan.
 std::int64_t breakdown_cache_bytes(const ModelConfig& c, const std::vector<int>& lengths, int new_tokens);
+
+// What else decode_breakdown allocates, host and backend memory together, for the run's memory plan: the
+// second, profiled model (its weights and working buffers), the matrices of measure_matmul_gflops, and the
+// bandwidth probe's buffers for the bytes of the longest step (measure_read_gbs: one host copy;
+// measure_copy_gbs: two in the backend and the host array that fills them). Gigabytes for a large
+// --synthetic model.
+std::int64_t breakdown_other_bytes(const ModelConfig& c, const Backend& backend, const std::vector<int>& lengths,
+                                   int new_tokens);
 
 // The breakdown for each prompt length in `lengths` (prefixes of `tokens`; each plus `new_tokens` within the
 // model's context), `new_tokens` greedy tokens through a preallocated cache; a table on stderr, one CSV row
