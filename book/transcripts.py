@@ -39,6 +39,9 @@ GPU_MARK = "<!-- transcript gpu -->"
 MACHINE_PREFIX = "<sub>Captured by `book/transcripts.py`"
 
 
+# A progress update (common/progress.h): "  <label>: <done> of <total> <unit>, <seconds> s".
+PROGRESS = re.compile(r"^  (.+?): \d+ of \d+ .*, \d+ s$")
+
 def gpu_name():
     """The first GPU nvidia-smi lists, or None where there is none."""
     try:
@@ -112,9 +115,17 @@ def scratch_folder(check):
 def run(command, cwd):
     result = subprocess.run(["bash", "-c", "set -o pipefail; " + command], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
-    # A progress line rewritten in place ("\r chunk 10 / 410") shows only its last state on a terminal.
+    # A progress line rewritten in place shows only its last state on a terminal. The binaries write progress
+    # to a pipe as a line per update (common/progress.h: "  sweep: 24 of 1200 corruptions, 1 s"): a run of
+    # such lines with the same label is kept as its last, what a reader's terminal shows.
     text = result.stdout.decode("utf-8", errors="replace")
-    lines = [line.rsplit("\r", 1)[-1] for line in text.split("\n")]
+    lines = []
+    for line in (line.rsplit("\r", 1)[-1] for line in text.split("\n")):
+        match = PROGRESS.match(line)
+        if match and lines and PROGRESS.match(lines[-1]) and PROGRESS.match(lines[-1]).group(1) == match.group(1):
+            lines[-1] = line
+        else:
+            lines.append(line)
     return result.returncode, "\n".join(lines)
 
 
