@@ -76,7 +76,8 @@ constexpr int kLanes = Eigen::internal::packet_traits<float>::size;
 // rows at a time: their dot products are independent, so the core overlaps them, and out is loaded and
 // stored once per kRows rows. Measured on the shipped model (5 layers, 1984 positions, one thread, AMD EPYC
 // with AVX-512): Eigen's per-head products 0.13-0.19 ms; a row at a time 0.117 ms; 2, 4, 8 and 16 rows at a
-// time 0.110, 0.103, 0.093 and 0.104 ms (book 03 also has what was tried and dropped). __restrict: out and scratch share no memory with the cache or q.
+// time 0.110, 0.103, 0.093 and 0.104 ms (book 03 also has what was tried and dropped). __restrict: out and
+// scratch share no memory with the cache or q.
 constexpr int kRows = 8;
 template <int kPackets>
 void attend_one_query(float* __restrict out, const float* q, const KvView& kv, int begin, int end, int c0, int c1,
