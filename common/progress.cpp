@@ -26,7 +26,7 @@ Progress::Progress(std::string what, std::string unit, Options options)
       next_ms_(interval_ms_) {}
 
 Progress::~Progress() {
-  if (line_open_) std::fputc('\n', out_);
+  if (terminal_ && shown_ && !finished_) std::fputc('\n', out_);  // the rewritten line is still open
 }
 
 void Progress::update(std::int64_t done, std::int64_t total) {
@@ -43,8 +43,7 @@ void Progress::update(std::int64_t done, std::int64_t total) {
   next_ms_ = now + interval_ms_;
   std::fprintf(out_, "%s  %s: %lld of %lld %s, %.0f s", terminal_ ? "\r" : "", what_.c_str(),
                static_cast<long long>(done), static_cast<long long>(total), unit_.c_str(), now / 1000);
-  line_open_ = terminal_ && !last;
-  if (!line_open_) std::fputc('\n', out_);
+  if (!terminal_ || last) std::fputc('\n', out_);
   std::fflush(out_);
 }
 

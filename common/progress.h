@@ -28,7 +28,6 @@ class Progress {
   Progress& operator=(const Progress&) = delete;
 
   void update(std::int64_t done, std::int64_t total);
-  bool shown() const { return shown_; }
 
  private:
   std::string what_, unit_;
@@ -37,7 +36,7 @@ class Progress {
   bool terminal_;
   Stopwatch clock_;
   double next_ms_;
-  bool shown_ = false, line_open_ = false, finished_ = false;
+  bool shown_ = false, finished_ = false;  // something printed; the last update printed
 };
 
 }  // namespace kvs

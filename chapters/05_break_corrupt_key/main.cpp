@@ -120,10 +120,10 @@ int main(int argc, char** argv) {
       kvs::ch05::check_corruption(corruption, c, prompt_len, options.max_new_tokens);
     }
     std::cerr << rt.describe() << "\n";
-    if (experiment == "run" && !parser.given("--position"))
-      std::cerr << "--position not given: " << corruption.position << ", " << kvs::ch05::kDefaultDistance
-                << " positions before the newest one cached at the corruption\n";
     if (experiment == "run") {
+      if (!parser.given("--position"))
+        std::cerr << "--position not given: " << corruption.position << ", " << kvs::ch05::kDefaultDistance
+                  << " positions before the newest one cached at the corruption\n";
       kvs::CsvWriter steps_csv({"--csv", options.csv},
                                "step,position,clean_token,corrupted_token,tokens_match,kl,max_abs_logit,kl_vector_restored,"
                                "kl_all_restored,head,attention_clean,attention_corrupted",

@@ -12,14 +12,10 @@
 namespace kvs::ch08 {
 namespace {
 
-// Progress of a scheduler run (common/progress.h): requests finished.
-struct ServeProgress {
-  explicit ServeProgress(std::string what) : progress(std::move(what), "requests finished") {}
-  OnStep on_step() {
-    return [this](const RunStats&, int finished, int requests) { progress.update(finished, requests); };
-  }
-  Progress progress;
-};
+// A scheduler run's progress (common/progress.h): requests finished.
+OnStep report_to(Progress& progress) {
+  return [&progress](const RunStats&, int finished, int requests) { progress.update(finished, requests); };
+}
 
 std::vector<double> collect(const std::vector<RequestResult>& results, double (RequestResult::*metric)() const) {
   std::vector<double> values;
@@ -83,8 +79,8 @@ int serve_trace(Setup& s) {
                        "positions (%s)\n", s.requests.size(), to_string(s.options.batching), s.options.max_batch,
                s.options.token_budget, pool.blocks(), pool.block_size(), format_bytes(double(pool.allocated_bytes())).c_str());
   std::vector<RequestResult> results;
-  ServeProgress progress("serving");
-  const RunStats stats = serve(s.rt.model, pool, s.requests, s.options, results, progress.on_step());
+  Progress progress("serving", "requests finished");
+  const RunStats stats = serve(s.rt.model, pool, s.requests, s.options, results, report_to(progress));
   for (std::size_t i = 0; i < std::min<std::size_t>(2, results.size()); ++i)
     std::printf("[request %zu] %s|%s\n", i, printable(s.requests[i].prompt).c_str(), printable(results[i].output).c_str());
 
@@ -179,8 +175,8 @@ int memory_waste(Setup& s) {
   for (int block_size : sizes) {
     BlockPool pool = make_pool(s, block_size, s.kv_memory, options.max_batch);
     std::vector<RequestResult> results;
-    ServeProgress progress("block size " + std::to_string(block_size));
-    const RunStats stats = serve(s.rt.model, pool, s.requests, options, results, progress.on_step());
+    Progress progress("block size " + std::to_string(block_size), "requests finished");
+    const RunStats stats = serve(s.rt.model, pool, s.requests, options, results, report_to(progress));
     const double bytes = double(pool.bytes_per_position());
     const double reserved = stats.reserved_position_steps / stats.steps * bytes, live = stats.live_position_steps / stats.steps * bytes;
     std::fprintf(stderr, "%10s %8d %14s %14s %7.1f%% %14d %8d %10.0f\n",
@@ -208,8 +204,8 @@ int batching(Setup& s) {
     options.batching = b;
     BlockPool pool = make_pool(s, s.block_size, s.kv_memory, options.max_batch);
     std::vector<RequestResult> results;
-    ServeProgress progress(to_string(b));
-    const RunStats stats = serve(s.rt.model, pool, s.requests, options, results, progress.on_step());
+    Progress progress(to_string(b), "requests finished");
+    const RunStats stats = serve(s.rt.model, pool, s.requests, options, results, report_to(progress));
     const auto latency = collect(results, &RequestResult::latency_ms);
     const double idle = double(stats.idle_slot_steps) / double(stats.slot_steps);
     std::fprintf(stderr, "%11s %7d %7.0f ms %10.0f %9.0f ms %9.0f ms %7.0f ms %9.1f%%\n", to_string(b), stats.steps, stats.wall_ms,
@@ -238,8 +234,8 @@ int preemption(Setup& s) {
   for (std::int64_t bytes : {everyone, s.kv_memory}) {
     BlockPool pool = make_pool(s, s.block_size, bytes, s.options.max_batch);
     std::vector<RequestResult> results;
-    ServeProgress progress(format_bytes(double(bytes)) + " pool");
-    const RunStats stats = serve(s.rt.model, pool, s.requests, s.options, results, progress.on_step());
+    Progress progress(format_bytes(double(bytes)) + " pool", "requests finished");
+    const RunStats stats = serve(s.rt.model, pool, s.requests, s.options, results, report_to(progress));
     if (unconstrained.empty()) unconstrained = outputs_of(results);
     const int same = count_identical(results, unconstrained);
     std::fprintf(stderr, "%10s, %5d blocks: %5d steps, %7.0f ms, %6.0f tokens/s, %4d preemptions, %6ld tokens recomputed; "
