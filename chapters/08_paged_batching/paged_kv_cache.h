@@ -14,6 +14,7 @@
 // so attention reads a block as it reads chapter 03's buffer; the blocks of one sequence are anywhere.
 // Block tables live in backend memory too, one row of max_blocks_per_sequence entries per sequence slot.
 #include <cstdint>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -25,7 +26,26 @@
 
 namespace kvs::ch08 {
 
-class BlockPool {
+// Where a paged sequence's blocks come from and where they go back. Chapter 08's pool hands each block to one
+// sequence at a time. Chapter 09's prefix cache counts references instead, so that sequences with a common
+// prefix hold its blocks once, and keeps a block given back findable until the pool needs it.
+class BlockSource {
+ public:
+  virtual ~BlockSource() = default;
+  // A block for one sequence's own use, or -1 when none is left.
+  virtual int take_block() = 0;
+  // Every block of a sequence that finishes (or is preempted), in its table's order.
+  virtual void give_back_blocks(std::span<const int> blocks) = 0;
+  // One more sequence holds `block` (it starts with a cached prefix, or is forked from a sibling).
+  virtual void share_block(int block) = 0;
+  // Whether another sequence holds `block` too: it must not be written (see writable_block).
+  virtual bool shared(int /*block*/) const { return false; }
+  // The block a sequence appends into in place of `block`, the last of its table: `block` itself when no one
+  // else holds it, or else a private copy (copy-on-write: chapter 09); -1 when the copy finds no free block.
+  virtual int writable_block(int block) { return block; }
+};
+
+class BlockPool final : public BlockSource {
  public:
   // `blocks` blocks of `block_size` positions, for up to `max_sequences` sequences at once of up to
   // `max_positions` positions each. Throws std::invalid_argument for sizes that make no pool.
@@ -45,7 +65,7 @@ class BlockPool {
   BlockPool(const BlockPool&) = delete;
 
   // A free block, or -1 when none is left.
-  int take_block() {
+  int take_block() override {
     if (free_blocks_.empty()) return -1;
     const int block = free_blocks_.back();
     free_blocks_.pop_back();
@@ -54,6 +74,20 @@ class BlockPool {
   void give_back_block(int block) {
     free_blocks_.push_back(block);
     if (double_free_next_) free_blocks_.push_back(block), double_free_next_ = false;  // the bug: see break_double_free
+  }
+  void give_back_blocks(std::span<const int> blocks) override {
+    for (int block : blocks) give_back_block(block);
+  }
+  void share_block(int block) override {
+    throw std::logic_error("BlockPool: block " + std::to_string(block) + " would be held twice; this pool gives each "
+                           "block to one sequence (sharing needs chapter 09's reference counts)");
+  }
+  // Every layer's keys and values of block `from` into block `to` (copy-on-write's copy).
+  void copy_block(int to, int from) {
+    const std::size_t floats = std::size_t(block_size_) * kv_dim_;
+    for (int layer = 0; layer < n_layers_; ++layer)
+      for (int kv = 0; kv < 2; ++kv)
+        backend_.copy(rows(layer, kv) + std::size_t(to) * floats, rows(layer, kv) + std::size_t(from) * floats, floats);
   }
   // Chapter 08's break experiment, a classic allocator bug: the next block given back goes on the free list
   // twice, so two later requests are both handed it, each believing it is its own. Nothing else changes.
@@ -99,20 +133,38 @@ class BlockPool {
 };
 
 // One sequence's cache: its block table over the pool. Positions are appended in order from 0 (a sequence
-// that must start again - preempted - gets a new PagedSequence). Blocks are taken in prepare(), never in a
-// layer's write; running out is std::runtime_error there, which a scheduler never lets happen (it checks
-// free_blocks() first: blocks_to_grow).
+// that must start again - preempted - gets a new PagedSequence), or from the end of blocks it starts with
+// (start_from: chapter 09's shared prefixes). Blocks are taken from `source` (the pool itself unless given) in
+// prepare(), never in a layer's write; running out is std::runtime_error there, which a scheduler never lets
+// happen (it checks the free blocks first: blocks_to_grow).
 class PagedSequence final : public KvCache {
  public:
-  explicit PagedSequence(BlockPool& pool) : pool_(pool), table_(pool.take_table()) {
+  explicit PagedSequence(BlockPool& pool, BlockSource* source = nullptr)
+      : pool_(pool), source_(source ? *source : pool), table_(pool.take_table()) {
     if (table_ < 0) throw std::runtime_error("PagedSequence: every sequence slot of the pool is in use");
     blocks_.reserve(pool.table_width());  // the decode loop never allocates
   }
   ~PagedSequence() override { release(); }
   PagedSequence(const PagedSequence&) = delete;
 
-  // Blocks a call over `n` more positions must take from the pool.
-  int blocks_to_grow(int n) const { return blocks_needed(length_ + n, pool_.block_size()) - static_cast<int>(blocks_.size()); }
+  // A new sequence that starts holding `length` positions in `blocks` (its source shares each): a cached
+  // prefix, or a sibling's whole cache (parallel sampling).
+  void start_from(std::span<const int> blocks, int length) {
+    if (table_ < 0 || !blocks_.empty() || length < 1 || static_cast<int>(blocks.size()) != blocks_needed(length, pool_.block_size()) ||
+        static_cast<int>(blocks.size()) > pool_.table_width())
+      throw std::invalid_argument("PagedSequence: start_from needs an empty sequence and the blocks of its " +
+                                  std::to_string(length) + " positions");
+    for (int block : blocks) source_.share_block(block), blocks_.push_back(block);
+    pool_.backend().from_host(pool_.table(table_), blocks_.data(), blocks_.size());
+    length_ = length;
+  }
+
+  // Blocks a call over `n` more positions must take from the pool: new ones, and a private copy of the last
+  // one when it is shared and the call appends into it.
+  int blocks_to_grow(int n) const {
+    const bool copies = n > 0 && appends_into_last_block() && source_.shared(blocks_.back());
+    return blocks_needed(length_ + n, pool_.block_size()) - static_cast<int>(blocks_.size()) + (copies ? 1 : 0);
+  }
 
   void prepare(int pos, int n) override {
     if (table_ < 0) throw std::logic_error("PagedSequence: prepare after release");
@@ -123,14 +175,19 @@ class PagedSequence final : public KvCache {
     if (needed > pool_.table_width())
       throw std::invalid_argument("PagedSequence: " + std::to_string(pos + n) + " positions exceed the " +
                                   std::to_string(pool_.table_width() * pool_.block_size()) + " a sequence of this pool may hold");
-    const int first_new = static_cast<int>(blocks_.size());
+    int first_new = static_cast<int>(blocks_.size());
+    if (n > 0 && appends_into_last_block()) {  // a shared last block is copied before anything is written into it
+      const int own = source_.writable_block(blocks_.back());
+      if (own < 0) throw std::runtime_error("PagedSequence: the pool has no free block to copy a shared block into");
+      if (own != blocks_.back()) blocks_.back() = own, first_new -= 1;
+    }
     while (static_cast<int>(blocks_.size()) < needed) {
-      const int block = pool_.take_block();
+      const int block = source_.take_block();
       if (block < 0) throw std::runtime_error("PagedSequence: the pool has no free block (the scheduler should have preempted)");
       blocks_.push_back(block);
     }
-    if (needed > first_new)  // the new entries of the table, into backend memory where attention reads them
-      pool_.backend().from_host(pool_.table(table_) + first_new, blocks_.data() + first_new, std::size_t(needed - first_new));
+    if (static_cast<int>(blocks_.size()) > first_new)  // the new entries of the table, into backend memory where attention reads them
+      pool_.backend().from_host(pool_.table(table_) + first_new, blocks_.data() + first_new, blocks_.size() - first_new);
     length_ = pos + n;
   }
 
@@ -156,7 +213,7 @@ class PagedSequence final : public KvCache {
 
   // Every block and the table slot back to the pool; the sequence holds nothing afterwards.
   void release() {
-    for (int block : blocks_) pool_.give_back_block(block);
+    source_.give_back_blocks(blocks_);
     blocks_.clear();
     if (table_ >= 0) pool_.give_back_table(table_);
     table_ = -1, length_ = 0;
@@ -164,7 +221,10 @@ class PagedSequence final : public KvCache {
   const std::vector<int>& blocks() const { return blocks_; }  // the host copy of the block table
 
  private:
+  // Whether the next position lands in the last block held (not at a block's start).
+  bool appends_into_last_block() const { return length_ % pool_.block_size() != 0; }
   BlockPool& pool_;
+  BlockSource& source_;
   int table_;               // this sequence's row of the pool's block tables; -1 once released
   std::vector<int> blocks_; // (blocks held) physical block ids, host copy
   int length_ = 0;

@@ -80,8 +80,9 @@ std::size_t first_difference(const std::vector<int>& a, const std::vector<int>& 
   return at;
 }
 
-RunStats serve(Model& model, BlockPool& pool, const std::vector<Request>& requests, const SchedulerOptions& options,
+RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>& requests, const SchedulerOptions& options,
                std::vector<RequestResult>& results, const OnStep& on_step) {
+  BlockPool& pool = caches.pool();
   check_requests(model, pool, requests, options);
   const int count = static_cast<int>(requests.size());
   results.assign(requests.size(), RequestResult{});
@@ -93,11 +94,11 @@ RunStats serve(Model& model, BlockPool& pool, const std::vector<Request>& reques
   RunStats stats;
   std::deque<int> waiting;              // request ids; a preempted one goes back to the front
   std::vector<std::vector<int>> resume(requests.size());  // a preempted request's tokens so far
+  std::vector<int> lost(requests.size(), 0);               // and how many of them it had cached
   std::vector<Running> running;         // in admission order
   std::vector<SequenceStep> batch;      // this step's forward pass
   batch.reserve(options.max_batch);
   std::vector<const PagedSequence*> audited;
-  std::vector<int> holders;  // check_block_ownership's scratch
   int next_arrival = 0, finished = 0;
   const Stopwatch clock;
 
@@ -115,18 +116,19 @@ RunStats serve(Model& model, BlockPool& pool, const std::vector<Request>& reques
     if (options.audit_blocks) {
       audited.clear();
       for (const Running& s : running) audited.push_back(s.cache.get());
-      check_block_ownership(pool, audited, holders);
+      caches.audit(audited);
     }
     // 2. the running sequences' tokens, preempting from the most recently admitted while blocks are short.
-    int budget = options.token_budget, free_blocks = pool.free_blocks();
+    int budget = options.token_budget, free_blocks = caches.available_blocks();
     auto preempt_last = [&] {
       Running& victim = running.back();
-      free_blocks += static_cast<int>(victim.cache->blocks().size());
-      stats.recomputed_tokens += victim.fed;
+      lost[victim.request] = victim.fed;  // recomputed when it is admitted again, unless found cached then
       ++stats.preemptions, ++results[victim.request].preemptions;
       resume[victim.request] = std::move(victim.tokens);
       waiting.push_front(victim.request);
-      running.pop_back();  // the cache gives its blocks back as it goes
+      const int before = caches.available_blocks();
+      running.pop_back();  // the cache gives its blocks back as it goes (a shared block stays held by the others)
+      free_blocks += caches.available_blocks() - before;
     };
     for (std::size_t i = 0; i < running.size(); ++i) {
       Running& s = running[i];
@@ -144,12 +146,21 @@ RunStats serve(Model& model, BlockPool& pool, const std::vector<Request>& reques
     while (may_admit && !waiting.empty() && static_cast<int>(running.size()) < options.max_batch && budget > 0) {
       const int r = waiting.front();
       std::vector<int> tokens = resume[r].empty() ? requests[r].prompt : std::move(resume[r]);
-      if (blocks_needed(static_cast<int>(tokens.size()), pool.block_size()) > free_blocks) {
+      const int before = caches.available_blocks();
+      std::unique_ptr<PagedSequence> cache = caches.start(tokens);  // may hold cached blocks already (chapter 09)
+      const int held = before - caches.available_blocks();  // cached blocks no one held before it took them
+      if (cache->blocks_to_grow(static_cast<int>(tokens.size()) - cache->length()) > free_blocks - held) {
+        cache.reset();                  // (its cached blocks go back as they were)
         resume[r] = std::move(tokens);  // (a preempted request keeps its place and its tokens)
         break;
       }
       waiting.pop_front();
-      Running s{r, std::make_unique<PagedSequence>(pool), std::move(tokens)};
+      free_blocks -= held;
+      const int cached = cache->length();
+      if (results[r].output.empty() && results[r].preemptions == 0) results[r].cached_prompt_tokens = cached;
+      stats.cached_prompt_tokens += cached;
+      stats.recomputed_tokens += std::max(0, lost[r] - cached), lost[r] = 0;
+      Running s{r, std::move(cache), std::move(tokens), cached};
       s.tokens.reserve(requests[r].prompt.size() + requests[r].max_new_tokens);
       s.take = std::min(s.pending(), budget);
       free_blocks -= s.cache->blocks_to_grow(s.take), budget -= s.take;
@@ -171,6 +182,7 @@ RunStats serve(Model& model, BlockPool& pool, const std::vector<Request>& reques
       const bool was_prefill = s.pending() > 1 || results[s.request].output.empty();
       if (was_prefill) stats.prefill_tokens += s.take;
       s.fed += s.take;
+      caches.filled(*s.cache, std::span<const int>(s.tokens).first(s.fed));
       const std::span<const float> own = logits.subspan(std::size_t(row++) * vocab, vocab);
       if (s.pending() > 0) continue;  // the rest of its prompt comes in later steps
       const int token = argmax(own);
@@ -185,11 +197,11 @@ RunStats serve(Model& model, BlockPool& pool, const std::vector<Request>& reques
     for (const SequenceStep& s : batch) tokens += static_cast<int>(s.tokens.size());
     stats.step_tokens.push_back(tokens);
     stats.peak_running = std::max(stats.peak_running, static_cast<int>(batch.size()));
-    stats.peak_used_blocks = std::max(stats.peak_used_blocks, pool.used_blocks());
+    stats.peak_used_blocks = std::max(stats.peak_used_blocks, caches.held_blocks());
     long live = 0;
     for (const Running& s : running) live += s.cache->length();
     stats.live_position_steps += double(live);
-    stats.reserved_position_steps += double(pool.used_blocks()) * pool.block_size();
+    stats.reserved_position_steps += double(caches.held_blocks()) * pool.block_size();
     // retire the finished ones
     const double now = clock.milliseconds();
     for (std::size_t i = 0; i < running.size();) {

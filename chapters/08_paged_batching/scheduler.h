@@ -17,6 +17,8 @@
 //      its max_new_tokens finishes and gives its blocks back.
 // Steps are the clock requests arrive by (Request::arrival_step); wall times are measured.
 #include <functional>
+#include <memory>
+#include <span>
 #include <vector>
 
 #include "model.h"
@@ -52,10 +54,49 @@ inline void check_block_ownership(const BlockPool& pool, const std::vector<const
   check_block_ownership(pool, sequences, holders);
 }
 
+// Where serve's sequences keep their keys and values: a pool of blocks and the caches over it. Chapter 08's
+// (PlainCaches) gives every sequence an empty cache of its own blocks. Chapter 09's prefix cache starts a
+// sequence with the blocks of the longest prefix of its tokens it has cached, and keeps the blocks sequences
+// fill for later ones.
+class SequenceCaches {
+ public:
+  virtual ~SequenceCaches() = default;
+  virtual BlockPool& pool() = 0;
+  // A cache for a sequence that will feed `tokens` (a prompt; after a preemption, the prompt and the tokens it
+  // had generated). Its length() first positions are cached already, at most tokens.size() - 1: the last token
+  // must run, to give the logits of the next.
+  virtual std::unique_ptr<PagedSequence> start(std::span<const int> tokens) = 0;
+  // After each forward pass: `cache` holds the first cache.length() of `tokens`.
+  virtual void filled(PagedSequence& /*cache*/, std::span<const int> /*tokens*/) {}
+  // Blocks the sequences may still take: free ones (and, in chapter 09, cached blocks no sequence holds).
+  virtual int available_blocks() const = 0;
+  // Blocks that at least one sequence holds.
+  virtual int held_blocks() const = 0;
+  // Throws std::logic_error naming the block when the pool's bookkeeping disagrees with the block tables of
+  // the running sequences (SchedulerOptions::audit_blocks).
+  virtual void audit(const std::vector<const PagedSequence*>& running) = 0;
+};
+
+// Chapter 08's: every sequence starts empty and holds its blocks alone.
+class PlainCaches final : public SequenceCaches {
+ public:
+  explicit PlainCaches(BlockPool& pool) : pool_(pool) {}
+  BlockPool& pool() override { return pool_; }
+  std::unique_ptr<PagedSequence> start(std::span<const int>) override { return std::make_unique<PagedSequence>(pool_); }
+  int available_blocks() const override { return pool_.free_blocks(); }
+  int held_blocks() const override { return pool_.used_blocks(); }
+  void audit(const std::vector<const PagedSequence*>& running) override { check_block_ownership(pool_, running, holders_); }
+
+ private:
+  BlockPool& pool_;
+  std::vector<int> holders_;  // check_block_ownership's scratch
+};
+
 struct RequestResult {
   std::vector<int> output;  // the generated tokens
   double arrival_ms = 0, first_token_ms = 0, finish_ms = 0;  // wall clock from the start of the run
   int preemptions = 0;
+  int cached_prompt_tokens = 0;  // prompt tokens found in the cache when it was first admitted (chapter 09)
   double time_to_first_token_ms() const { return first_token_ms - arrival_ms; }
   double latency_ms() const { return finish_ms - arrival_ms; }
   // Time per output token after the first.
@@ -69,9 +110,10 @@ struct RunStats {
   long generated_tokens = 0;     // sampled tokens
   long prefill_tokens = 0;       // prompt tokens put through the model, recomputed ones included
   long recomputed_tokens = 0;    // of those, tokens a preempted sequence had cached before
+  long cached_prompt_tokens = 0; // prompt tokens found in the cache at admission, not put through the model
   int preemptions = 0;
   int peak_running = 0;          // the most sequences in one step
-  int peak_used_blocks = 0;
+  int peak_used_blocks = 0;      // blocks held by sequences (SequenceCaches::held_blocks)
   double wall_ms = 0;
   std::vector<double> step_ms;   // (steps) each forward pass and its sampling
   std::vector<int> step_sequences;  // (steps) sequences in the step
@@ -87,12 +129,18 @@ struct RunStats {
 // After every step: the run so far, and how many requests have finished.
 using OnStep = std::function<void(const RunStats& stats, int finished, int requests)>;
 
-// Serves `requests` through `model` with the cache in `pool`, writes each request's result (same order), and
+// Serves `requests` through `model` with the caches of `caches`, writes each request's result (same order), and
 // returns the run's statistics. A request the pool or the model can never hold (its prompt plus
 // max_new_tokens exceeds the positions one sequence of the pool may have, the pool's blocks, or the model's
 // context) is refused before anything runs: std::invalid_argument naming it.
-RunStats serve(Model& model, BlockPool& pool, const std::vector<Request>& requests, const SchedulerOptions& options,
+RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>& requests, const SchedulerOptions& options,
                std::vector<RequestResult>& results, const OnStep& on_step = {});
+// Chapter 08's: every sequence its own blocks of `pool`.
+inline RunStats serve(Model& model, BlockPool& pool, const std::vector<Request>& requests, const SchedulerOptions& options,
+                      std::vector<RequestResult>& results, const OnStep& on_step = {}) {
+  PlainCaches caches(pool);
+  return serve(model, caches, requests, options, results, on_step);
+}
 
 // What serve must reproduce: the greedy tokens `request` gets alone, through chapter 03's preallocated cache.
 std::vector<int> serve_alone(Model& model, const Request& request);
