@@ -107,6 +107,7 @@ class BlockPool final : public BlockSource {
   int used_blocks() const { return blocks_ - free_blocks(); }
   int block_size() const { return block_size_; }
   int table_width() const { return table_width_; }  // blocks one sequence may hold
+  int sequences() const { return static_cast<int>(tables_.size()) / table_width_; }  // sequence slots
   int kv_dim() const { return kv_dim_; }
   int n_layers() const { return n_layers_; }
   Backend& backend() { return backend_; }
@@ -219,6 +220,7 @@ class PagedSequence final : public KvCache {
     table_ = -1, length_ = 0;
   }
   const std::vector<int>& blocks() const { return blocks_; }  // the host copy of the block table
+  int table_slot() const { return table_; }  // its row of the pool's block tables; -1 once released
 
  private:
   // Whether the next position lands in the last block held (not at a block's start).

@@ -70,7 +70,8 @@ void check_block_ownership(const BlockPool& pool, const std::vector<const PagedS
 std::vector<int> serve_alone(Model& model, const Request& request) {
   ch03::PreallocatedKvCache cache(model.backend(), model.config(), int(request.prompt.size()) + request.max_new_tokens);
   Sampler greedy(model.config().vocab_size, SamplerSettings{});
-  const Generation g = generate_cached(model, cache, greedy, request.prompt, request.max_new_tokens);
+  const Generation g = generate_cached(model, cache, greedy, request.prompt, request.max_new_tokens,
+                                       model.max_tokens_per_call());  // a prompt longer than a call: in chunks
   return {g.tokens.begin() + long(request.prompt.size()), g.tokens.end()};
 }
 
