@@ -96,6 +96,13 @@ def shrink(command):
             command += " --batch-sizes 1,2"
         if "--experiment memory" in command and "--block-sizes" not in command:
             command += " --block-sizes 16"
+    if "09_prefix_sharing" in command:
+        if "--experiment prefix" in command:
+            command += " --counts 1,2 --prefix-length 256"
+        if "--experiment sampling" in command:
+            command += " --counts 1,2"
+        if "--experiment mixed" in command:
+            command += " --requests 8"
     if "kvs_tests" in command:
         command += " --list-test-cases"
     return command

@@ -39,4 +39,8 @@ banner "Chapter 08: many sequences at once - a paged cache, continuous batching,
 "$bin/08_paged_batching" --requests 24
 "$bin/08_paged_batching" --experiment preemption --requests 16 --kv-memory 1MiB
 "$bin/08_paged_batching" --experiment break --requests 16
+banner "Chapter 09: requests that share a prefix share its cache - parallel sampling, a shared document, copy-on-write off"
+"$bin/09_prefix_sharing" --samples 4
+"$bin/09_prefix_sharing" --experiment prefix --counts 1,8,64
+"$bin/09_prefix_sharing" --experiment break
 banner "Done. Read book/README.md; every binary takes --help. Speed sweep and plots: bash plots/regenerate.sh"

@@ -12,6 +12,8 @@ break_contamination.png (how far each cache row moved, layer x position, one cor
 chapter 06: off_by_one_probes.png (the share of probes that pass, vs probe length);
 chapter 08: batch_throughput.png (decode tokens/s per batch size, 1 and 2 threads) and paged_memory.png
 (reserved vs live K/V per block size and for a max-length reservation, with the largest batch each fit);
+chapter 09: prefix_sharing.png (N requests with one long document: K/V held at the peak and time to first token,
+with and without sharing) and sampling_memory.png (N samples of one prompt: K/V held, shared vs separate);
 decode_breakdown.png (where a decode step's time goes vs context, stacked, and the time reading the same bytes
 at the measured bandwidth would take).
 Chapter 04 on the copying model (data/kjv-gpt-copy.bin; drawn when its CSVs exist): copy_recall_vs_window.png
@@ -339,6 +341,41 @@ def batching_figures():
            "One KV budget, one trace: what blocks reserve and what they hold", "paged_memory.png", log=False)
 
 
+def sharing_figures():
+    """Chapter 09: N requests sharing a document (memory, time to first token), and N samples of one prompt."""
+    rows = read("prefix_sharing.csv")
+    mib = 1 << 20
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    ns = [int(r["requests"]) for r in rows]
+    for column, running, label, color in (("kv_bytes_unshared", "running_unshared", "not shared (chapter 08)", "tab:gray"),
+                                          ("kv_bytes_shared", "running_shared", "prefix cache", "tab:blue")):
+        ys = [float(r[column]) / mib for r in rows]
+        left.plot(ns, ys, marker="o", color=color, label=label)
+        for n, y, r in zip(ns, ys, rows):
+            left.annotate(r[running], (n, y), textcoords="offset points", xytext=(0, 5), ha="center", fontsize="x-small",
+                          color=color)
+    left.set_xscale("log", base=2)
+    left.set_xlabel("requests sharing the document (N)")
+    left.set_ylabel("K/V held at the peak, MiB (label: requests running)")
+    left.legend()
+    left.grid(True, alpha=0.3)
+    for column, label, color in (("ttft_ms_p50_unshared", "not shared", "tab:gray"), ("ttft_ms_p50_shared", "prefix cache", "tab:blue")):
+        right.plot(ns, [float(r[column]) for r in rows], marker="o", color=color, label=label)
+    finish(fig, right, "requests sharing the document (N)", "time to first token, p50 (ms)",
+           "One 1 KiB document, N questions: what sharing saves", "prefix_sharing.png")
+
+    rows = read("sampling_memory.csv")
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ns = [int(r["samples"]) for r in rows]
+    ax.plot(ns, [float(r["kv_bytes_unshared"]) / mib for r in rows], marker="o", color="tab:gray", label="separate requests")
+    ax.plot(ns, [float(r["kv_bytes_shared"]) / mib for r in rows], marker="o", color="tab:blue", label="shared prompt")
+    ax.plot(ns, [float(r["cow_bytes"]) / mib for r in rows], marker="x", ls="--", color="tab:orange",
+            label="of which copied on write")
+    finish(fig, ax, "samples of one prompt (N)", "K/V held at the peak, MiB",
+           "Parallel sampling: the prompt's blocks held once", "sampling_memory.png", log=False)
+
+
 if __name__ == "__main__":
     main()
     batching_figures()
+    sharing_figures()

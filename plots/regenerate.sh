@@ -45,4 +45,8 @@ done
 "$ch08" --experiment memory --requests 64 --kv-memory 16MiB --csv plots/data/paged_memory.csv "$@"
 "$ch08" --experiment batching --requests 64 --mean-gap 4 --max-batch 16 --csv plots/data/batching.csv "$@"
 "$ch08" --experiment preemption --requests 32 --kv-memory 1MiB --csv plots/data/preemption.csv "$@"
+# Chapter 09: shared prefixes, parallel sampling.
+ch09=build/release/bin/09_prefix_sharing
+"$ch09" --experiment prefix --csv plots/data/prefix_sharing.csv "$@"
+"$ch09" --experiment sampling --csv plots/data/sampling_memory.csv "$@"
 /usr/bin/python3 plots/plot.py  # Debian's interpreter, which has python3-matplotlib

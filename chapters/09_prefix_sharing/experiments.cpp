@@ -222,6 +222,14 @@ int sampling_memory(Setup& s) {
   return all_identical ? 0 : 1;
 }
 
+void check_mixed(const Setup& s) {
+  const int longest = 576 + 64 + 64;  // a request of its own: the longest prompt and output
+  if (s.kv_memory < blocks_needed(longest, s.block_size) * block_bytes(s))
+    throw UsageError("--kv-memory " + format_bytes(double(s.kv_memory)) + " is too small for the mixed trace's longest "
+                     "request (" + std::to_string(longest) + " positions): give it at least " +
+                     format_bytes(double(blocks_needed(longest, s.block_size) * block_bytes(s))));
+}
+
 int mixed_trace(Setup& s) {
   // Half the requests ask about one of four documents (a shared prefix), the others bring a prompt of their own.
   std::mt19937_64 random(s.trace_seed);
@@ -241,11 +249,8 @@ int mixed_trace(Setup& s) {
     requests.push_back(ch08::Request{encode_bytes(prompt), output(random), static_cast<int>(arrival)});
     arrival += gap(random);
   }
+  check_mixed(s);
   const int blocks = static_cast<int>(std::min<std::int64_t>(s.kv_memory / block_bytes(s), 1 << 24));
-  if (blocks < blocks_needed(576 + 64 + 64, s.block_size))
-    throw UsageError("--kv-memory " + format_bytes(double(s.kv_memory)) + " is too small for the mixed trace's longest "
-                     "request (" + std::to_string(576 + 64 + 64) + " positions): give it at least " +
-                     format_bytes(double(blocks_needed(704, s.block_size) * block_bytes(s))));
   s.rt.plan_kv_cache(std::int64_t(blocks) * block_bytes(s));
   std::fprintf(stderr, "%d requests arriving about one a step (seed %llu): %d ask about one of 4 documents of 512 bytes (+ a "
                        "16-64-byte question), the others bring 64-576 bytes of their own; 16-64 new tokens; a pool of %d "
@@ -284,7 +289,6 @@ int mixed_trace(Setup& s) {
 int break_copy_on_write(Setup& s) {
   const std::vector<int>& prompt = s.rt.prompt;
   const int n = s.samples, length = static_cast<int>(prompt.size());
-  if (n < 2) throw UsageError("--experiment break needs --samples 2 or more: one sample to write, a sibling to read it");
   const int per_sample = blocks_needed(length + s.new_tokens, s.block_size);
   std::fprintf(stderr, "%d samples after a %d-token prompt, temperature %g, sample i seeded %llu + i; blocks of %d: %s\n", n,
                length, s.rt.sampling.temperature, static_cast<unsigned long long>(s.rt.sampling.seed), s.block_size,

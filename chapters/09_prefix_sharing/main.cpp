@@ -53,6 +53,10 @@ int main(int argc, char** argv) {
     return "--experiment " + experiment + " is not one of samples, prefix, sampling, mixed, break";
   });
   parser.add_check([&] {
+    if (experiment != "break" || samples >= 2) return std::string();
+    return std::string("--experiment break needs --samples 2 or more: one sample to write, a sibling to read what it wrote");
+  });
+  parser.add_check([&] {
     if (options.max_new_tokens >= 1) return std::string();
     return std::string("--max-new-tokens must be at least 1: a sample or a request generates something");
   });
@@ -80,6 +84,7 @@ int main(int argc, char** argv) {
       throw kvs::UsageError("--prefix-length " + std::to_string(prefix_length) + " + --question-length " +
                             std::to_string(question_length) + " + --max-new-tokens " + std::to_string(options.max_new_tokens) +
                             " exceed the model's context of " + std::to_string(rt.model.config().seq_len) + " positions");
+    if (experiment == "mixed") kvs::ch09::check_mixed(setup);
     std::cerr << rt.describe() << "\n";
     try {
       if (experiment == "prefix") return kvs::ch09::shared_prefix(setup);

@@ -148,7 +148,6 @@ std::unique_ptr<ch08::PagedSequence> PrefixCache::start(std::span<const int> tok
   auto cache = std::make_unique<ch08::PagedSequence>(pool_, this);
   if (!cached.empty()) cache->start_from(cached, static_cast<int>(cached.size()) * pool_.block_size());
   progress_[cache->table_slot()] = Progress{static_cast<int>(cached.size()), cached.empty() ? 0 : serial_[cached.back()]};
-  stats_.hit_blocks += static_cast<long>(cached.size());
   return cache;
 }
 

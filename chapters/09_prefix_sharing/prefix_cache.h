@@ -47,7 +47,6 @@ struct PrefixCacheOptions {
 };
 
 struct PrefixCacheStats {
-  long hit_blocks = 0;   // blocks a starting sequence found cached (start)
   long published = 0;    // blocks published
   long evictions = 0;    // published blocks unpublished because the pool needed them
   long cow_copies = 0;   // shared blocks copied before a write
