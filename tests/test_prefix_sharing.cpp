@@ -65,7 +65,7 @@ TEST_CASE("copy-on-write: a sequence appending to a block its sibling holds neve
           b.start_from(a.blocks(), length);  // b: a's every block, the partly filled last one too
           for (int block : a.blocks()) CHECK(cache.references(block) == 2);
           const bool inside = length % block_size != 0;
-          CHECK(b.blocks_to_grow(1) == (inside ? 1 : 1));  // a copy, or a new block: one either way
+          CHECK(b.blocks_to_grow(1) == 1);  // inside a block: a copy of it; at its end: a new block
           append_tagged(backend, c, b, 2, length + 5);       // b appends first: copies the shared last block
           append_tagged(backend, c, a, 1, length + 3);       // then a, into its own
           CHECK(cache.stats().cow_copies == (inside ? 1 : 0));
