@@ -54,9 +54,9 @@ TEST_CASE("copy-on-write: a sequence appending to a block its sibling holds neve
                       .seq_len = 64};
   test::for_each_backend(test::test_backend_names(), [&](Backend& backend) {
     for (int block_size : {1, 3, 16}) {
-      for (int length : {block_size * 2 - 1 > 0 ? block_size * 2 - 1 : 1, block_size * 2, block_size * 2 + 1}) {
+      for (int length : {block_size * 2 - 1, block_size * 2, block_size * 2 + 1}) {
         CAPTURE(block_size);
-        CAPTURE(length);  // the shared prefix ends inside a block, at its end, one past it
+        CAPTURE(length);  // the shared prefix ends inside a block, at its end, one past it (blocks of 1: always at an end)
         BlockPool pool(backend, c, 40, block_size, 3, c.seq_len);
         PrefixCache cache(pool);
         {
@@ -119,6 +119,30 @@ TEST_CASE("prefix cache: a block someone holds is never evicted - a cached block
   CHECK(cache.match(tokens).size() == 2);  // the tail block went first: the head still serves
 }
 
+TEST_CASE("prefix cache: blocks freed earlier are evicted earlier, across sequences") {
+  CpuBackend cpu(1);
+  const ModelConfig c{.dim = 16, .hidden_dim = 32, .n_layers = 1, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 256,
+                      .seq_len = 64};
+  BlockPool pool(cpu, c, 6, 4, 2, c.seq_len);
+  PrefixCache cache(pool);
+  std::vector<int> a(9, 'a'), b(9, 'b');  // two blocks and one position each
+  auto first = cache.start(a), second = cache.start(b);
+  append_tagged(cpu, c, *first, 1, 9), append_tagged(cpu, c, *second, 2, 9);
+  cache.filled(*first, a), cache.filled(*second, b);
+  second.reset();  // b's blocks are given back first...
+  first.reset();   // ...then a's: b is the least recently used
+  CHECK(cache.match(a).size() == 2);
+  CHECK(cache.match(b).size() == 2);
+  std::vector<int> taken;
+  for (int i = 0; i < 2; ++i) taken.push_back(cache.take_block());  // the two unpublished partial blocks go first
+  CHECK(cache.stats().evictions == 0);
+  for (int i = 0; i < 2; ++i) taken.push_back(cache.take_block());  // then b's cached blocks, tail first
+  CHECK(cache.stats().evictions == 2);
+  CHECK(cache.match(b).empty());
+  CHECK(cache.match(a).size() == 2);  // a, given back later, is still cached
+  cache.give_back_blocks(taken);
+}
+
 TEST_CASE("prefix cache: two prompts equal but for one byte in the last shared block never share that block") {
   CpuBackend cpu(1);
   const ModelConfig c{.dim = 16, .hidden_dim = 32, .n_layers = 1, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 256,
@@ -161,7 +185,9 @@ TEST_CASE("prefix cache: served with sharing, every request's greedy tokens equa
     for (int i = 0; i < first_wave; ++i) requests.push_back(Request{requests[i].prompt, 7, 40});
     for (int i = 0; i < first_wave; ++i) {
       std::vector<int> longer = requests[i].prompt;
-      for (int t : encode_bytes("#" + text.substr(20000 + 100 * i, 4))) longer.push_back(t);  // "#": never generated
+      std::string more = "#";  // a byte this model never generates, so no output can have filled the block
+      more += text.substr(20000 + 100 * i, 4);
+      for (int t : encode_bytes(more)) longer.push_back(t);
       requests.push_back(Request{longer, 6, 40});
     }
     for (bool tight : {false, true}) {

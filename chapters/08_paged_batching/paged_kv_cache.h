@@ -38,6 +38,8 @@ class BlockSource {
   virtual void give_back_blocks(std::span<const int> blocks) = 0;
   // One more sequence holds `block` (it starts with a cached prefix, or is forked from a sibling).
   virtual void share_block(int block) = 0;
+  // A sequence took row `table_slot` of the pool's block tables: it holds no block yet.
+  virtual void sequence_started(int /*table_slot*/) {}
   // Whether another sequence holds `block` too: it must not be written (see writable_block).
   virtual bool shared(int /*block*/) const { return false; }
   // The block a sequence appends into in place of `block`, the last of its table: `block` itself when no one
@@ -144,6 +146,7 @@ class PagedSequence final : public KvCache {
       : pool_(pool), source_(source ? *source : pool), table_(pool.take_table()) {
     if (table_ < 0) throw std::runtime_error("PagedSequence: every sequence slot of the pool is in use");
     blocks_.reserve(pool.table_width());  // the decode loop never allocates
+    source_.sequence_started(table_);
   }
   ~PagedSequence() override { release(); }
   PagedSequence(const PagedSequence&) = delete;
@@ -177,6 +180,12 @@ class PagedSequence final : public KvCache {
       throw std::invalid_argument("PagedSequence: " + std::to_string(pos + n) + " positions exceed the " +
                                   std::to_string(pool_.table_width() * pool_.block_size()) + " a sequence of this pool may hold");
     int first_new = static_cast<int>(blocks_.size());
+    // The new entries of the table, into backend memory where attention reads them (also before a throw, so the
+    // table in backend memory never disagrees with blocks_).
+    auto upload = [&] {
+      if (static_cast<int>(blocks_.size()) > first_new)
+        pool_.backend().from_host(pool_.table(table_) + first_new, blocks_.data() + first_new, blocks_.size() - first_new);
+    };
     if (n > 0 && appends_into_last_block()) {  // a shared last block is copied before anything is written into it
       const int own = source_.writable_block(blocks_.back());
       if (own < 0) throw std::runtime_error("PagedSequence: the pool has no free block to copy a shared block into");
@@ -184,11 +193,13 @@ class PagedSequence final : public KvCache {
     }
     while (static_cast<int>(blocks_.size()) < needed) {
       const int block = source_.take_block();
-      if (block < 0) throw std::runtime_error("PagedSequence: the pool has no free block (the scheduler should have preempted)");
+      if (block < 0) {
+        upload();
+        throw std::runtime_error("PagedSequence: the pool has no free block (the scheduler should have preempted)");
+      }
       blocks_.push_back(block);
     }
-    if (static_cast<int>(blocks_.size()) > first_new)  // the new entries of the table, into backend memory where attention reads them
-      pool_.backend().from_host(pool_.table(table_) + first_new, blocks_.data() + first_new, blocks_.size() - first_new);
+    upload();
     length_ = pos + n;
   }
 

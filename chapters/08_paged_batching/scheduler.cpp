@@ -151,7 +151,7 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
       std::unique_ptr<PagedSequence> cache = caches.start(tokens);  // may hold cached blocks already (chapter 09)
       const int held = before - caches.available_blocks();  // cached blocks no one held before it took them
       if (cache->blocks_to_grow(static_cast<int>(tokens.size()) - cache->length()) > free_blocks - held) {
-        cache.reset();                  // (its cached blocks go back as they were)
+        cache.reset();                  // (its cached blocks go back to the free queue, as recently used)
         resume[r] = std::move(tokens);  // (a preempted request keeps its place and its tokens)
         break;
       }

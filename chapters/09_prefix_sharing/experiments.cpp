@@ -32,7 +32,7 @@ ch08::BlockPool make_pool(Setup& s, int blocks, int sequences) {
 struct Served {
   ch08::RunStats stats;
   std::vector<ch08::RequestResult> results;
-  int peak_blocks = 0, running_at_peak = 0;  // the most blocks held at once, and the sequences of that step
+  int peak_blocks = 0, running_at_peak = 0;  // the most blocks held at once, and the sequences in that step
   // Of the prompt tokens sequences needed in their caches when admitted (again, after a preemption), the share
   // found there.
   double hit_rate() const {
@@ -79,6 +79,15 @@ void finish(CsvWriter& csv) {
   if (csv.enabled()) std::fprintf(stderr, "wrote %s\n", csv.path().c_str());
 }
 
+// N samples of the prompt, shared (one prefill, forked) or as N separate requests, in a pool just large enough
+// for N unshared samples.
+SamplingRun sample_prompt(Setup& s, int n, bool share, PrefixCacheOptions cache_options = {}) {
+  const int per_sample = blocks_needed(static_cast<int>(s.rt.prompt.size()) + s.new_tokens, s.block_size);
+  ch08::BlockPool pool = make_pool(s, n * per_sample, n);
+  PrefixCache cache(pool, cache_options);
+  return sample_in_parallel(s.rt.model, cache, s.rt.prompt, n, s.new_tokens, s.rt.sampling, share);
+}
+
 // The prompt's last block, for the sampling experiments' header.
 std::string last_block(const Setup& s, int length) {
   const int in_last = length % s.block_size;
@@ -92,17 +101,10 @@ std::string last_block(const Setup& s, int length) {
 int samples(Setup& s) {
   const std::vector<int>& prompt = s.rt.prompt;
   const int n = s.samples, length = static_cast<int>(prompt.size());
-  const int per_sample = blocks_needed(length + s.new_tokens, s.block_size);
   std::fprintf(stderr, "%d samples of %d tokens after a %d-token prompt, temperature %g, sample i seeded %llu + i; blocks "
                        "of %d positions: %s\n", n, s.new_tokens, length, s.rt.sampling.temperature,
                static_cast<unsigned long long>(s.rt.sampling.seed), s.block_size, last_block(s, length).c_str());
-  s.rt.plan_kv_cache(std::int64_t(n) * per_sample * block_bytes(s));  // one pool at a time
-  SamplingRun runs[2];
-  for (bool share : {false, true}) {
-    ch08::BlockPool pool = make_pool(s, n * per_sample, n);
-    PrefixCache cache(pool);
-    runs[share] = sample_in_parallel(s.rt.model, cache, prompt, n, s.new_tokens, s.rt.sampling, share);
-  }
+  const SamplingRun runs[2] = {sample_prompt(s, n, false), sample_prompt(s, n, true)};
   std::printf("%s\n", printable(prompt).c_str());
   for (int i = 0; i < n; ++i) std::printf("  [sample %d] ...%s\n", i, printable(runs[1].outputs[i]).c_str());
   const double bytes = double(block_bytes(s));
@@ -151,7 +153,6 @@ int shared_prefix(Setup& s) {
       requests.push_back(ch08::Request{encode_bytes(document + s.text.substr(100000 + 1499 * std::size_t(i), s.question_length)),
                                        s.new_tokens, i == 0 ? 0 : warm});
     const int blocks = n * blocks_needed(prompt_length + s.new_tokens, s.block_size);  // everyone, unshared
-    s.rt.plan_kv_cache(blocks * block_bytes(s));
     const ch08::SchedulerOptions options{.max_batch = std::min(n, s.token_budget), .token_budget = s.token_budget};
     const Served alone = serve_with(s, requests, blocks, false, options, nullptr, "N = " + std::to_string(n) + ", not shared");
     const Served shared = serve_with(s, requests, blocks, true, options, nullptr, "N = " + std::to_string(n) + ", shared");
@@ -172,7 +173,7 @@ int shared_prefix(Setup& s) {
             percentile(ttft_ms(shared, later), 50), shared.results[0].time_to_first_token_ms(), shared.hit_rate(),
             alone.stats.wall_ms, shared.stats.wall_ms, same);
   }
-  std::fprintf(stderr, "KV held: the most K/V blocks held at once, by that many running requests (the token budget admits "
+  std::fprintf(stderr, "KV held: the most K/V blocks held at once, by the requests in that step (the token budget admits "
                        "unshared prompts only as fast as it can prefill them); prefill: prompt tokens put through the "
                        "model; TTFT p50 over requests 2..N (request 1 for N = 1); hits: prompt tokens found cached; "
                        "identical: greedy outputs, shared vs not\n");
@@ -183,7 +184,6 @@ int shared_prefix(Setup& s) {
 int sampling_memory(Setup& s) {
   const std::vector<int>& prompt = s.rt.prompt;
   const int length = static_cast<int>(prompt.size());
-  const int per_sample = blocks_needed(length + s.new_tokens, s.block_size);
   std::fprintf(stderr, "N samples of %d tokens after a %d-token prompt (temperature %g, sample i seeded %llu + i); blocks of "
                        "%d: %s\n", s.new_tokens, length, s.rt.sampling.temperature,
                static_cast<unsigned long long>(s.rt.sampling.seed), s.block_size, last_block(s, length).c_str());
@@ -193,19 +193,9 @@ int sampling_memory(Setup& s) {
                 "prefill_tokens_shared,wall_ms_unshared,wall_ms_shared,identical", s.rt.inputs());
   int all_identical = 1;
   const double bytes = double(block_bytes(s));
-  {  // warm-up, not measured
-    ch08::BlockPool pool = make_pool(s, per_sample, 1);
-    PrefixCache cache(pool);
-    sample_in_parallel(s.rt.model, cache, prompt, 1, s.new_tokens, s.rt.sampling, false);
-  }
+  sample_prompt(s, 1, false);  // warm-up, not measured
   for (int n : s.counts) {
-    s.rt.plan_kv_cache(std::int64_t(n) * per_sample * block_bytes(s));
-    SamplingRun runs[2];
-    for (bool share : {false, true}) {
-      ch08::BlockPool pool = make_pool(s, n * per_sample, n);
-      PrefixCache cache(pool);
-      runs[share] = sample_in_parallel(s.rt.model, cache, prompt, n, s.new_tokens, s.rt.sampling, share);
-    }
+    const SamplingRun runs[2] = {sample_prompt(s, n, false), sample_prompt(s, n, true)};
     int same = 0;
     for (int i = 0; i < n; ++i) same += runs[0].outputs[i] == runs[1].outputs[i] ? 1 : 0;
     all_identical &= same == n ? 1 : 0;
@@ -220,6 +210,16 @@ int sampling_memory(Setup& s) {
                        "tokens, shared vs separate requests, same seeds\n");
   finish(csv);
   return all_identical ? 0 : 1;
+}
+
+std::int64_t largest_pool_bytes(const Setup& s, const std::string& experiment) {
+  int largest = s.samples;
+  for (int n : s.counts) largest = std::max(largest, n);
+  if (experiment == "mixed") return s.kv_memory;
+  if (experiment == "prefix")  // every request, unshared
+    return largest * blocks_needed(s.prefix_length + s.question_length + s.new_tokens, s.block_size) * block_bytes(s);
+  const int per_sample = blocks_needed(static_cast<int>(s.rt.prompt.size()) + s.new_tokens, s.block_size);
+  return std::int64_t(experiment == "sampling" ? largest : s.samples) * per_sample * block_bytes(s);
 }
 
 void check_mixed(const Setup& s) {
@@ -251,7 +251,6 @@ int mixed_trace(Setup& s) {
   }
   check_mixed(s);
   const int blocks = static_cast<int>(std::min<std::int64_t>(s.kv_memory / block_bytes(s), 1 << 24));
-  s.rt.plan_kv_cache(std::int64_t(blocks) * block_bytes(s));
   std::fprintf(stderr, "%d requests arriving about one a step (seed %llu): %d ask about one of 4 documents of 512 bytes (+ a "
                        "16-64-byte question), the others bring 64-576 bytes of their own; 16-64 new tokens; a pool of %d "
                        "blocks of %d (%s)\n", s.requests, static_cast<unsigned long long>(s.trace_seed), shared_requests,
@@ -289,25 +288,19 @@ int mixed_trace(Setup& s) {
 int break_copy_on_write(Setup& s) {
   const std::vector<int>& prompt = s.rt.prompt;
   const int n = s.samples, length = static_cast<int>(prompt.size());
-  const int per_sample = blocks_needed(length + s.new_tokens, s.block_size);
   std::fprintf(stderr, "%d samples after a %d-token prompt, temperature %g, sample i seeded %llu + i; blocks of %d: %s\n", n,
                length, s.rt.sampling.temperature, static_cast<unsigned long long>(s.rt.sampling.seed), s.block_size,
                last_block(s, length).c_str());
-  s.rt.plan_kv_cache(std::int64_t(n) * per_sample * block_bytes(s));
-  SamplingRun runs[2];
-  for (bool copy_on_write : {true, false}) {
-    ch08::BlockPool pool = make_pool(s, n * per_sample, n);
-    PrefixCache cache(pool, PrefixCacheOptions{.copy_on_write = copy_on_write});
-    runs[copy_on_write ? 0 : 1] = sample_in_parallel(s.rt.model, cache, prompt, n, s.new_tokens, s.rt.sampling, true);
-  }
-  const SamplingRun &right = runs[0], &broken = runs[1];
+  const SamplingRun right = sample_prompt(s, n, true);
+  const SamplingRun broken = sample_prompt(s, n, true, PrefixCacheOptions{.copy_on_write = false});
   std::fprintf(stderr, "copy-on-write off: each sample's first tokens go into the one block they all hold; the sample that "
                        "writes a position last overwrites what its siblings wrote there\n");
   CsvWriter csv({"--csv", s.csv}, "sample,first_different_token,tokens,identical_alone", s.rt.inputs());
-  int damaged = 0, caught = 0;
+  int damaged = 0, caught = 0, missed = 0;  // changed; differing from alone; changed yet equal to alone
   for (int i = 0; i < n; ++i) {
     const bool alone = broken.outputs[i] == sample_alone(s.rt.model, prompt, s.new_tokens, s.rt.sampling, i);
     caught += alone ? 0 : 1;
+    missed += alone && broken.outputs[i] != right.outputs[i] ? 1 : 0;
     if (broken.outputs[i] == right.outputs[i]) {
       std::fprintf(stderr, "  sample %d: unchanged\n", i);
       csv.row(i, -1, right.outputs[i].size(), alone ? 1 : 0);
@@ -325,7 +318,7 @@ int break_copy_on_write(Setup& s) {
   }
   std::fprintf(stderr, "%d of %d samples changed (| marks where); checked against each sample alone (chapter 03's cache, same "
                        "seed), %d of %d differ: the check catches %s\n", damaged, n, caught, n,
-               caught >= damaged && damaged > 0 ? "every changed one" : damaged == 0 ? "nothing to catch" : "only some");
+               damaged == 0 ? "nothing to catch" : missed == 0 ? "every changed one" : "only some");
   if (damaged == 0)
     std::fprintf(stderr, "no sample changed: the siblings wrote the same tokens into the shared block, or the prompt ends at "
                          "a block's end (nothing shared is written); try another --seed or prompt length\n");

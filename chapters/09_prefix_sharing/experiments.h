@@ -28,8 +28,12 @@ struct Setup {
 int samples(Setup& s);         // --samples N continuations of one prompt, shared; texts and memory; checked
 int shared_prefix(Setup& s);   // N requests with one long prefix: KV held, prefill, TTFT, hit rate, with and without
 int sampling_memory(Setup& s); // parallel sampling for N = 1 ... 64: memory shared vs not, copy-on-write copies
-int mixed_trace(Setup& s);
-void check_mixed(const Setup& s);  // UsageError when --kv-memory cannot hold the trace's longest request     // shared and unshared prompts under a small pool, against chapter 08
+int mixed_trace(Setup& s);     // shared and unshared prompts under a small pool, against chapter 08
 int break_copy_on_write(Setup& s);  // copy-on-write off: siblings write into the block they share
+
+// Before anything runs: UsageError when --kv-memory cannot hold the mixed trace's longest request.
+void check_mixed(const Setup& s);
+// The most K/V memory `experiment` will hold at once (its largest pool), for the memory plan.
+std::int64_t largest_pool_bytes(const Setup& s, const std::string& experiment);
 
 }  // namespace kvs::ch09

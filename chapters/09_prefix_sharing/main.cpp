@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
     // to the whole context. The prompt must fit with the new tokens only where it is used.
     kvs::Runtime rt(options, kDefaultPrompt, sampling ? kvs::PromptFit::kMustFit : kvs::PromptFit::kCutByCaller,
                     std::max({token_budget, largest}), -1);
-    kvs::ch09::Setup setup{.rt = rt, .samples = samples, .new_tokens = options.max_new_tokens, .block_size = block_size,
+    kvs::ch09::Setup setup{.rt = rt, .text = {}, .samples = samples, .new_tokens = options.max_new_tokens, .block_size = block_size,
                            .prefix_length = prefix_length, .question_length = question_length, .token_budget = token_budget,
                            .counts = count_list, .requests = requests, .kv_memory = kv_memory, .trace_seed = trace_seed,
                            .csv = options.csv};
@@ -85,6 +85,7 @@ int main(int argc, char** argv) {
                             std::to_string(question_length) + " + --max-new-tokens " + std::to_string(options.max_new_tokens) +
                             " exceed the model's context of " + std::to_string(rt.model.config().seq_len) + " positions");
     if (experiment == "mixed") kvs::ch09::check_mixed(setup);
+    rt.plan_kv_cache(kvs::ch09::largest_pool_bytes(setup, experiment));  // pools one at a time: the largest
     std::cerr << rt.describe() << "\n";
     try {
       if (experiment == "prefix") return kvs::ch09::shared_prefix(setup);

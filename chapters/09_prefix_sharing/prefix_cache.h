@@ -23,8 +23,8 @@
 //
 // Copy-on-write: a block held by several sequences is never written. A sequence about to append into a shared
 // block (siblings of parallel sampling share their prompt's last, partly filled block) gets a copy of it first
-// (writable_block). Full published blocks are never appended to: a sequence starts with at most its prompt's
-// last token uncached (start), so it always writes after its cached blocks, never into them.
+// (writable_block). Published blocks are never written at all: only full blocks are published, and a sequence
+// starts with at least its prompt's last token uncached (start), so it appends after its cached blocks.
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -54,7 +54,8 @@ struct PrefixCacheStats {
 
 class PrefixCache final : public ch08::BlockSource, public ch08::SequenceCaches {
  public:
-  // Takes every block of `pool` (it must have all of them free) and manages them from then on.
+  // Takes every block of `pool` (it must have all of them free) and manages them from then on: the pool lends
+  // them for the cache's life (the two are made and dropped together, a run's pool and its cache).
   explicit PrefixCache(ch08::BlockPool& pool, PrefixCacheOptions options = {});
   PrefixCache(const PrefixCache&) = delete;
 
@@ -62,6 +63,7 @@ class PrefixCache final : public ch08::BlockSource, public ch08::SequenceCaches 
   int take_block() override;  // the front of the free queue (evicting it if published), or -1
   void give_back_blocks(std::span<const int> blocks) override;
   void share_block(int block) override;
+  void sequence_started(int table_slot) override { progress_[table_slot] = Progress{}; }
   bool shared(int block) const override { return references_[block] > 1; }
   int writable_block(int block) override;  // copy-on-write
 
@@ -69,7 +71,8 @@ class PrefixCache final : public ch08::BlockSource, public ch08::SequenceCaches 
   ch08::BlockPool& pool() override { return pool_; }
   // A sequence holding the longest cached prefix of `tokens` (whole blocks, leaving the last token uncached).
   std::unique_ptr<ch08::PagedSequence> start(std::span<const int> tokens) override;
-  // Publishes each block of `cache` that the last forward pass filled (tokens: what it holds).
+  // Publishes each block of `cache` that the last forward pass filled (tokens: what it holds), for any sequence
+  // over this cache (one not made by start() is walked from its first block).
   void filled(ch08::PagedSequence& cache, std::span<const int> tokens) override;
   int available_blocks() const override { return queued_; }
   int held_blocks() const override { return pool_.blocks() - queued_; }
