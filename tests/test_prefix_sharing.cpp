@@ -324,3 +324,23 @@ TEST_CASE("chapter 09: the samples, break and mixed runs check themselves - bad 
     CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
   }
 }
+
+TEST_CASE("prefix cache: a sequence not made by start() publishes its own blocks, whatever held its slot before") {
+  CpuBackend cpu(1);
+  const ModelConfig c{.dim = 16, .hidden_dim = 32, .n_layers = 1, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 256,
+                      .seq_len = 64};
+  BlockPool pool(cpu, c, 16, 4, 1, c.seq_len);  // one sequence slot: the second sequence takes the first's
+  PrefixCache cache(pool);
+  std::vector<int> a(13), b(13);
+  for (int i = 0; i < 13; ++i) a[i] = 'a' + i, b[i] = 'A' + i;
+  {
+    auto first = cache.start(a);
+    append_tagged(cpu, c, *first, 1, 13);
+    cache.filled(*first, a);
+  }
+  PagedSequence direct(pool, &cache);
+  append_tagged(cpu, c, direct, 2, 13);
+  cache.filled(direct, b);
+  CHECK(cache.match(a).size() == 3);
+  CHECK(cache.match(b).size() == 3);  // its progress started at its first block, not where the first one stopped
+}
