@@ -24,6 +24,10 @@ using ch08::Request;
 
 namespace {
 
+// A model shape for the pool's bookkeeping alone (K/V rows tagged by hand, no forward pass).
+const ModelConfig kOneLayer{.dim = 16, .hidden_dim = 32, .n_layers = 1, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 256,
+                            .seq_len = 64};
+
 // Every key lands in one bucket: only comparing parent serials and tokens can tell blocks apart.
 std::uint64_t same_hash_for_all(std::uint64_t, std::span<const int>) { return 7; }
 
@@ -86,8 +90,7 @@ TEST_CASE("copy-on-write: a sequence appending to a block its sibling holds neve
 
 TEST_CASE("prefix cache: a block someone holds is never evicted - a cached block no one holds is, oldest first") {
   CpuBackend cpu(1);
-  const ModelConfig c{.dim = 16, .hidden_dim = 32, .n_layers = 1, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 256,
-                      .seq_len = 64};
+  const ModelConfig& c = kOneLayer;
   BlockPool pool(cpu, c, 8, 4, 4, c.seq_len);
   PrefixCache cache(pool);
   std::vector<int> tokens(13);
@@ -121,8 +124,7 @@ TEST_CASE("prefix cache: a block someone holds is never evicted - a cached block
 
 TEST_CASE("prefix cache: blocks freed earlier are evicted earlier, across sequences") {
   CpuBackend cpu(1);
-  const ModelConfig c{.dim = 16, .hidden_dim = 32, .n_layers = 1, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 256,
-                      .seq_len = 64};
+  const ModelConfig& c = kOneLayer;
   BlockPool pool(cpu, c, 6, 4, 2, c.seq_len);
   PrefixCache cache(pool);
   std::vector<int> a(9, 'a'), b(9, 'b');  // two blocks and one position each
@@ -145,8 +147,7 @@ TEST_CASE("prefix cache: blocks freed earlier are evicted earlier, across sequen
 
 TEST_CASE("prefix cache: two prompts equal but for one byte in the last shared block never share that block") {
   CpuBackend cpu(1);
-  const ModelConfig c{.dim = 16, .hidden_dim = 32, .n_layers = 1, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 256,
-                      .seq_len = 64};
+  const ModelConfig& c = kOneLayer;
   for (BlockHash hash : {&fnv1a_block_hash, &same_hash_for_all}) {
     BlockPool pool(cpu, c, 16, 4, 4, c.seq_len);
     PrefixCache cache(pool, PrefixCacheOptions{.hash = hash});
@@ -327,8 +328,7 @@ TEST_CASE("chapter 09: the samples, break and mixed runs check themselves - bad 
 
 TEST_CASE("prefix cache: a sequence not made by start() publishes its own blocks, whatever held its slot before") {
   CpuBackend cpu(1);
-  const ModelConfig c{.dim = 16, .hidden_dim = 32, .n_layers = 1, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 256,
-                      .seq_len = 64};
+  const ModelConfig& c = kOneLayer;
   BlockPool pool(cpu, c, 16, 4, 1, c.seq_len);  // one sequence slot: the second sequence takes the first's
   PrefixCache cache(pool);
   std::vector<int> a(13), b(13);
