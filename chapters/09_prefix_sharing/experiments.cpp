@@ -115,17 +115,15 @@ int samples(Setup& s) {
                double(runs[0].peak_held_blocks) / runs[1].peak_held_blocks, runs[1].prefill_tokens, runs[0].prefill_tokens,
                runs[1].cow_copies);
   int same_separate = 0, same_alone = 0;
+  CsvWriter csv({"--csv", s.csv}, "sample,tokens,identical_separate,identical_alone,text", s.rt.inputs());
   for (int i = 0; i < n; ++i) {
-    same_separate += runs[1].outputs[i] == runs[0].outputs[i] ? 1 : 0;
-    same_alone += runs[1].outputs[i] == sample_alone(s.rt.model, prompt, s.new_tokens, s.rt.sampling, i) ? 1 : 0;
+    const bool separate = runs[1].outputs[i] == runs[0].outputs[i];
+    const bool alone = runs[1].outputs[i] == sample_alone(s.rt.model, prompt, s.new_tokens, s.rt.sampling, i);
+    same_separate += separate ? 1 : 0, same_alone += alone ? 1 : 0;
+    csv.row(i, runs[1].outputs[i].size(), separate ? 1 : 0, alone ? 1 : 0, printable(runs[1].outputs[i]));
   }
   std::fprintf(stderr, "same seeds: %d of %d samples identical to the separate requests, %d of %d to each sample alone "
                        "(chapter 03's cache)\n", same_separate, n, same_alone, n);
-  CsvWriter csv({"--csv", s.csv}, "sample,tokens,identical_separate,identical_alone,text", s.rt.inputs());
-  for (int i = 0; i < n; ++i)
-    csv.row(i, runs[1].outputs[i].size(), runs[1].outputs[i] == runs[0].outputs[i] ? 1 : 0,
-            runs[1].outputs[i] == sample_alone(s.rt.model, prompt, s.new_tokens, s.rt.sampling, i) ? 1 : 0,
-            printable(runs[1].outputs[i]));
   finish(csv);
   return same_separate == n && same_alone == n ? 0 : 1;
 }
