@@ -1,0 +1,176 @@
+#pragma once
+// Formats a KV cache can store its rows in (chapter 10, issue #27): what one number costs, and the one
+// definition of how a float becomes it and comes back. Host and device (KVS_HOST_DEVICE): a cache write
+// quantizes with these functions and attention dequantizes with them, on the CPU and in CUDA kernels alike.
+//
+//   fp32  4 bytes a number, exact (every chapter so far).
+//   fp16  2 bytes, IEEE half: 11 significant bits, so a relative error of at most 2^-11 (round to nearest even)
+//         for |x| in [6.1e-5, 65504]; smaller numbers lose relative precision (subnormals, then 0), larger
+//         ones become infinite. Keys and values of this model are far inside that range (chapter 10 measures).
+//   bf16  2 bytes, the top half of a float: float's range, 8 significant bits (relative error <= 2^-8).
+//   int8  1 byte a number and one float scale per head of a row (per token and head): q = round(x / s),
+//         s = max|x| / 127, so |x - q s| <= s / 2 = max|x| / 254 within the head.
+//   int4  half a byte a number, and per group of `group` consecutive numbers a float scale and a float
+//         minimum (its zero point): q = round((x - min) / s) in 0..15, s = (max - min) / 15, so
+//         |x - (min + q s)| <= (max - min) / 30 within the group. A group is a run of channels of one token
+//         (per-token grouping) or, gathered by the caller, one channel over consecutive tokens (KIVI's
+//         per-channel keys): the functions below take any run of numbers.
+//
+// Not a number: a head (int8) or group (int4) holding a NaN or an infinity is stored with a NaN scale, so
+// every number of it reads back as NaN - attention's output turns NaN where the bad row is visible, never
+// silently clamped. fp16 and bf16 keep NaN and infinities as such (fp16: finite numbers beyond 65504 too
+// become infinities).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "host_device.h"
+
+namespace kvs {
+
+enum class KvFormat { kFp32, kFp16, kBf16, kInt8, kInt4 };
+
+inline const char* to_string(KvFormat f) {
+  switch (f) {
+    case KvFormat::kFp32: return "fp32";
+    case KvFormat::kFp16: return "fp16";
+    case KvFormat::kBf16: return "bf16";
+    case KvFormat::kInt8: return "int8";
+    case KvFormat::kInt4: return "int4";
+  }
+  return "?";
+}
+
+// The bytes one cached position costs in one layer, keys and values together, scales included: what
+// `2 · layers · kv_heads · head_dim · positions · bytes` becomes when "bytes" is not a whole number.
+// int4 needs head_dim to be a multiple of `group`, and `group` even (two numbers a byte, groups never share one).
+inline std::int64_t kv_bytes_per_position(KvFormat f, int kv_heads, int head_dim, int group) {
+  const std::int64_t numbers = std::int64_t(kv_heads) * head_dim;  // in a key, and again in a value
+  switch (f) {
+    case KvFormat::kFp32: return 2 * numbers * 4;
+    case KvFormat::kFp16:
+    case KvFormat::kBf16: return 2 * numbers * 2;
+    case KvFormat::kInt8: return 2 * (numbers + std::int64_t(kv_heads) * 4);              // + a scale a head
+    case KvFormat::kInt4: return 2 * (numbers / 2 + (numbers / group) * 2 * 4);           // + scale, minimum a group
+  }
+  return 0;
+}
+
+// Why a format cannot store rows of this shape; empty when it can.
+inline std::string kv_format_shape_error(KvFormat f, int head_dim, int group) {
+  if (f != KvFormat::kInt4) return "";
+  if (group < 2 || group % 2 != 0 || head_dim % group != 0)
+    return "int4 groups of " + std::to_string(group) + " channels: the group must be even and divide head_dim " +
+           std::to_string(head_dim);
+  return "";
+}
+
+namespace kv_format_detail {
+KVS_HOST_DEVICE inline std::uint32_t bits_of(float f) {
+  std::uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+KVS_HOST_DEVICE inline float float_of(std::uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+// Rounds `value >> shift` to nearest, ties to even (shift >= 1).
+KVS_HOST_DEVICE inline std::uint32_t shift_round_even(std::uint32_t value, int shift) {
+  const std::uint32_t kept = value >> shift, rest = value & ((1u << shift) - 1), half = 1u << (shift - 1);
+  return kept + ((rest > half || (rest == half && (kept & 1u))) ? 1u : 0u);
+}
+KVS_HOST_DEVICE inline bool finite(float x) { return x - x == 0.0f; }  // false for NaN and both infinities
+}  // namespace kv_format_detail
+
+// ---- 16-bit floats ----
+
+KVS_HOST_DEVICE inline std::uint16_t to_fp16(float x) {
+  using namespace kv_format_detail;
+  const std::uint32_t u = bits_of(x), sign = (u >> 16) & 0x8000u, mantissa = u & 0x7fffffu;
+  const int exponent = int((u >> 23) & 0xffu);
+  if (exponent == 0xff) return std::uint16_t(sign | 0x7c00u | (mantissa ? 0x200u : 0u));  // infinity, NaN (quiet)
+  if (exponent >= 127 + 16) return std::uint16_t(sign | 0x7c00u);                         // beyond fp16: infinity
+  if (exponent >= 127 - 14) {  // a normal fp16; rounding may carry into the exponent, up to infinity: still right
+    const std::uint32_t h = (std::uint32_t(exponent - 127 + 15) << 10 | mantissa >> 13);
+    const std::uint32_t rest = mantissa & 0x1fffu;
+    return std::uint16_t(sign | (h + ((rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ? 1u : 0u)));
+  }
+  if (exponent < 127 - 25) return std::uint16_t(sign);  // below half the smallest subnormal: zero
+  // A subnormal fp16: the 24-bit significand in units of 2^-24.
+  return std::uint16_t(sign | shift_round_even(mantissa | 0x800000u, 126 - exponent));
+}
+
+KVS_HOST_DEVICE inline float from_fp16(std::uint16_t h) {
+  using namespace kv_format_detail;
+  const std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  if (exponent == 0) {  // zero or subnormal: mantissa · 2^-24
+    const float magnitude = float(mantissa) * 5.9604644775390625e-8f;
+    return sign ? -magnitude : magnitude;
+  }
+  if (exponent == 31) return float_of(sign | 0x7f800000u | (mantissa << 13));
+  return float_of(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+
+KVS_HOST_DEVICE inline std::uint16_t to_bf16(float x) {
+  using namespace kv_format_detail;
+  const std::uint32_t u = bits_of(x);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return std::uint16_t((u >> 16) | 0x40u);  // NaN stays NaN
+  return std::uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even (overflow: infinity)
+}
+
+KVS_HOST_DEVICE inline float from_bf16(std::uint16_t b) { return kv_format_detail::float_of(std::uint32_t(b) << 16); }
+
+// ---- int8: one scale per head ----
+
+// q (n) = round(x / scale); returns the scale (NaN for a run holding a NaN or an infinity; 0 for all zeros).
+KVS_HOST_DEVICE inline float quantize_int8(const float* x, int n, std::int8_t* q) {
+  float largest = 0.0f;
+  bool finite = true;
+  for (int i = 0; i < n; ++i) {
+    finite = finite && kv_format_detail::finite(x[i]);
+    largest = fmaxf(largest, fabsf(x[i]));
+  }
+  const float scale = finite ? largest / 127.0f : NAN;
+  for (int i = 0; i < n; ++i) q[i] = std::int8_t(scale > 0.0f ? fminf(fmaxf(rintf(x[i] / scale), -127.0f), 127.0f) : 0.0f);
+  return scale;
+}
+
+KVS_HOST_DEVICE inline float dequantize_int8(std::int8_t q, float scale) { return float(q) * scale; }
+
+// ---- int4: a scale and a minimum per group, two numbers a byte (the even one in the low nibble) ----
+
+struct Int4Group {
+  float scale = 0.0f;    // (max - min) / 15; NaN for a group holding a NaN or an infinity
+  float minimum = 0.0f;  // the zero point: q = 0 reads back as it
+};
+
+// packed (n / 2 bytes, n even) = the n numbers of x, each round((x - min) / scale) in 0..15.
+KVS_HOST_DEVICE inline Int4Group quantize_int4(const float* x, int n, std::uint8_t* packed) {
+  float lowest = x[0], highest = x[0];
+  bool finite = true;
+  for (int i = 0; i < n; ++i) {
+    finite = finite && kv_format_detail::finite(x[i]);
+    lowest = fminf(lowest, x[i]), highest = fmaxf(highest, x[i]);
+  }
+  Int4Group g{finite ? (highest - lowest) / 15.0f : NAN, finite ? lowest : NAN};
+  for (int i = 0; i < n; i += 2) {
+    std::uint8_t pair = 0;
+    for (int half = 0; half < 2; ++half) {
+      const float level = g.scale > 0.0f ? fminf(fmaxf(rintf((x[i + half] - g.minimum) / g.scale), 0.0f), 15.0f) : 0.0f;
+      pair |= std::uint8_t(std::uint8_t(level) << (4 * half));
+    }
+    packed[i / 2] = pair;
+  }
+  return g;
+}
+
+// Number i of a packed group.
+KVS_HOST_DEVICE inline float dequantize_int4(const std::uint8_t* packed, int i, Int4Group g) {
+  const int level = (packed[i / 2] >> (4 * (i % 2))) & 0xf;
+  return g.minimum + float(level) * g.scale;
+}
+
+}  // namespace kvs

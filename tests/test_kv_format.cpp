@@ -1,0 +1,140 @@
+// The cache formats of chapter 10 (common/kv_format.h): each round trip within its stated bound, on rows with an
+// outlier, zeros, negative numbers only, and NaN or infinity handled as documented; the bytes a position costs.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "kv_format.h"
+
+using namespace kvs;
+
+namespace {
+
+// Rows a cache meets, and the ones it must survive.
+std::vector<std::vector<float>> test_rows(int n) {
+  std::mt19937 gen(20261123);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<std::vector<float>> rows;
+  std::vector<float> row(n);
+  for (float& x : row) x = normal(gen);
+  rows.push_back(row);                                   // typical
+  row[n / 3] = 80.0f;
+  rows.push_back(row);                                   // one outlier channel
+  rows.push_back(std::vector<float>(n, 0.0f));           // zeros
+  for (float& x : row) x = -std::fabs(normal(gen)) - 0.5f;
+  rows.push_back(row);                                   // negative numbers only
+  rows.push_back(std::vector<float>(n, 3.25f));          // one value repeated
+  for (int i = 0; i < n; ++i) row[i] = std::ldexp(1.0f + i / float(n), i % 20 - 10);
+  rows.push_back(row);                                   // magnitudes from 2^-10 to 2^10
+  return rows;
+}
+
+}  // namespace
+
+TEST_CASE("kv formats: fp16 rounds to nearest even within 2^-11, keeps infinities and NaN, flushes what is too small") {
+  for (const auto& row : test_rows(64))
+    for (float x : row) {
+      CAPTURE(x);
+      const float back = from_fp16(to_fp16(x));
+      CHECK(std::fabs(back - x) <= std::fabs(x) * 0x1p-11f + 0x1p-25f);  // relative, or half the smallest subnormal
+    }
+  CHECK(from_fp16(to_fp16(65504.0f)) == 65504.0f);  // the largest finite fp16
+  CHECK(std::isinf(from_fp16(to_fp16(65520.0f))));   // rounds up past it
+  CHECK(std::isinf(from_fp16(to_fp16(1e9f))));
+  CHECK(from_fp16(to_fp16(-std::numeric_limits<float>::infinity())) == -std::numeric_limits<float>::infinity());
+  CHECK(std::isnan(from_fp16(to_fp16(std::nanf("")))));
+  CHECK(from_fp16(to_fp16(0x1p-24f)) == 0x1p-24f);   // the smallest subnormal, exact
+  CHECK(from_fp16(to_fp16(0x1p-25f)) == 0.0f);       // half of it: a tie, to even (0)
+  CHECK(from_fp16(to_fp16(0x1.8p-25f)) == 0x1p-24f); // above half: up
+  CHECK(from_fp16(to_fp16(1.0f + 0x1p-11f)) == 1.0f);                // a tie between 1 and 1 + 2^-10: to even
+  CHECK(from_fp16(to_fp16(1.0f + 0x3p-11f)) == 1.0f + 0x1p-9f);      // a tie the other way: to even
+  CHECK(std::signbit(from_fp16(to_fp16(-0.0f))));
+  for (std::uint32_t h = 0; h < 0x7c00u; ++h)  // every finite fp16 reads back and converts to itself
+    CHECK_MESSAGE(to_fp16(from_fp16(std::uint16_t(h))) == h, "fp16 bits ", h);
+}
+
+TEST_CASE("kv formats: bf16 rounds to nearest even within 2^-8, keeps float's range, infinities and NaN") {
+  for (const auto& row : test_rows(64))
+    for (float x : row) CHECK(std::fabs(from_bf16(to_bf16(x)) - x) <= std::fabs(x) * 0x1p-8f);
+  CHECK(from_bf16(to_bf16(1e30f)) == doctest::Approx(1e30f).epsilon(0x1p-8));
+  CHECK(from_bf16(to_bf16(1.0f + 0x1p-8f)) == 1.0f);            // a tie: to even
+  CHECK(from_bf16(to_bf16(1.0f + 0x3p-8f)) == 1.0f + 0x1p-6f);  // a tie: to even, upward
+  CHECK(std::isinf(from_bf16(to_bf16(std::numeric_limits<float>::infinity()))));
+  CHECK(std::isnan(from_bf16(to_bf16(std::nanf("")))));
+}
+
+TEST_CASE("kv formats: int8 with a scale a head, within max|x| / 254, zeros exact, NaN or infinity read back as NaN") {
+  for (int n : {1, 31, 32, 64}) {
+    for (const auto& row : test_rows(n)) {
+      std::vector<std::int8_t> q(n);
+      const float scale = quantize_int8(row.data(), n, q.data());
+      float largest = 0;
+      for (float x : row) largest = std::max(largest, std::fabs(x));
+      CHECK(scale == doctest::Approx(largest / 127.0f));
+      for (int i = 0; i < n; ++i) {
+        CAPTURE(i);
+        CHECK(std::fabs(dequantize_int8(q[i], scale) - row[i]) <= largest / 254.0f * (1 + 1e-6f));
+        CHECK(std::abs(int(q[i])) <= 127);
+      }
+      if (largest == 0) CHECK(scale == 0.0f);
+    }
+  }
+  for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
+    std::vector<float> row(32, 1.0f);
+    row[7] = bad;
+    std::vector<std::int8_t> q(32);
+    const float scale = quantize_int8(row.data(), 32, q.data());
+    for (int i = 0; i < 32; ++i) CHECK(std::isnan(dequantize_int8(q[i], scale)));
+  }
+}
+
+TEST_CASE("kv formats: int4 with a scale and a minimum a group, within (max - min) / 30, an outlier costs only its group") {
+  for (int group : {2, 8, 16, 32}) {
+    CAPTURE(group);
+    for (const auto& row : test_rows(64)) {
+      std::vector<std::uint8_t> packed(32);
+      for (int start = 0; start < 64; start += group) {  // the groups of a row, one after another
+        const Int4Group g = quantize_int4(row.data() + start, group, packed.data() + start / 2);
+        float lowest = row[start], highest = row[start];
+        for (int i = start; i < start + group; ++i) lowest = std::min(lowest, row[i]), highest = std::max(highest, row[i]);
+        for (int i = 0; i < group; ++i) {
+          CAPTURE(start + i);
+          const float back = dequantize_int4(packed.data() + start / 2, i, g);
+          CHECK(std::fabs(back - row[start + i]) <= (highest - lowest) / 30.0f * (1 + 1e-5f) + 1e-6f);
+        }
+      }
+    }
+  }
+  // The point of groups: an outlier in one group leaves the others' error where it was.
+  std::vector<float> row = test_rows(64)[0], spiked = row;
+  spiked[3] = 80.0f;
+  std::vector<std::uint8_t> a(4), b(4);
+  for (int start = 8; start < 64; start += 8) {
+    const Int4Group ga = quantize_int4(row.data() + start, 8, a.data()), gb = quantize_int4(spiked.data() + start, 8, b.data());
+    for (int i = 0; i < 8; ++i) CHECK(dequantize_int4(a.data(), i, ga) == dequantize_int4(b.data(), i, gb));
+  }
+  for (float bad : {std::nanf(""), -std::numeric_limits<float>::infinity()}) {
+    std::vector<float> bad_row(8, 1.0f);
+    bad_row[5] = bad;
+    std::vector<std::uint8_t> packed(4);
+    const Int4Group g = quantize_int4(bad_row.data(), 8, packed.data());
+    for (int i = 0; i < 8; ++i) CHECK(std::isnan(dequantize_int4(packed.data(), i, g)));
+  }
+}
+
+TEST_CASE("kv formats: the bytes a position costs, scales included, and shapes int4 cannot hold") {
+  // The shipped model's shape: 2 KV heads of 32, per layer.
+  CHECK(kv_bytes_per_position(KvFormat::kFp32, 2, 32, 32) == 512);
+  CHECK(kv_bytes_per_position(KvFormat::kFp16, 2, 32, 32) == 256);
+  CHECK(kv_bytes_per_position(KvFormat::kBf16, 2, 32, 32) == 256);
+  CHECK(kv_bytes_per_position(KvFormat::kInt8, 2, 32, 32) == 2 * (64 + 8));
+  CHECK(kv_bytes_per_position(KvFormat::kInt4, 2, 32, 32) == 2 * (32 + 2 * 8));
+  CHECK(kv_bytes_per_position(KvFormat::kInt4, 2, 32, 8) == 2 * (32 + 8 * 8));
+  CHECK(kv_format_shape_error(KvFormat::kInt4, 32, 8).empty());
+  CHECK(!kv_format_shape_error(KvFormat::kInt4, 32, 12).empty());  // does not divide head_dim
+  CHECK(!kv_format_shape_error(KvFormat::kInt4, 30, 15).empty());  // odd: two groups would share a byte
+  CHECK(kv_format_shape_error(KvFormat::kInt8, 30, 15).empty());
+}
