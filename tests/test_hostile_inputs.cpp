@@ -117,7 +117,8 @@ TEST_CASE("results: text that cannot be written to stdout is an error") {
 TEST_CASE("results: --help that cannot be written is an error, and written it exits 0") {
   for (const std::string name : {"00_perplexity", "01_naive_generation", "02_dynamic_cache", "03_preallocated_cache",
                                  "03_benchmark", "04_sliding_window", "05_break_corrupt_key", "06_break_off_by_one",
-                                 "08_paged_batching", "09_prefix_sharing"}) {
+                                 "08_paged_batching", "09_prefix_sharing",
+                                 "10_quantized_cache"}) {
     CAPTURE(name);
     const std::string help = binary(name) + " --help";
     const auto full = run_command("(" + help + " > /dev/full)");

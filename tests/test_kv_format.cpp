@@ -2,12 +2,17 @@
 // outlier, zeros, negative numbers only, and NaN or infinity handled as documented; the bytes a position costs.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "10_quantized_cache/channels.h"
 #include "kv_format.h"
+#include "test_util.h"
 
 using namespace kvs;
 
@@ -137,4 +142,50 @@ TEST_CASE("kv formats: the bytes a position costs, scales included, and shapes i
   CHECK(!kv_format_shape_error(KvFormat::kInt4, 32, 12).empty());  // does not divide head_dim
   CHECK(!kv_format_shape_error(KvFormat::kInt4, 30, 15).empty());  // odd: two groups would share a byte
   CHECK(kv_format_shape_error(KvFormat::kInt8, 30, 15).empty());
+}
+
+TEST_CASE("kv formats on cached rows: per-channel int4 groups beat per-token ones when one channel is large, fp16 stays within 2^-11") {
+  // Two heads of 8 over 64 positions; channel 3 of every key is 40x the others, as some of a model's are.
+  kvs::ch10::CachedRows rows{1, 64, 16, {}, {}};
+  std::mt19937 gen(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int p = 0; p < 64; ++p)
+    for (int ch = 0; ch < 16; ++ch) {
+      rows.keys.push_back(normal(gen) + (ch == 3 ? 40.0f : 0.0f));
+      rows.values.push_back(normal(gen));
+    }
+  using kvs::ch10::Grouping;
+  const double per_token = kvs::ch10::relative_error(rows, rows.keys, 0, 8, Grouping::kInt4PerToken, 8);
+  const double per_channel = kvs::ch10::relative_error(rows, rows.keys, 0, 8, Grouping::kInt4PerChannel, 8);
+  CHECK(per_channel < per_token / 3);  // the large channel no longer sets the step of its token's other channels
+  CHECK(kvs::ch10::relative_error(rows, rows.keys, 0, 8, Grouping::kFp16, 8) <= 0x1p-11);
+  const double int8 = kvs::ch10::relative_error(rows, rows.values, 0, 8, Grouping::kInt8PerTokenHead, 8);
+  CHECK(int8 > 0);
+  CHECK(int8 < 0.02);
+  // A last group of tokens shorter than the rest (and odd) is stored too.
+  kvs::ch10::CachedRows odd{1, 5, 16, {}, {}};
+  for (int i = 0; i < 5 * 16; ++i) odd.keys.push_back(float(i % 7) - 3.0f);
+  CHECK(kvs::ch10::relative_error(odd, odd.keys, 0, 8, Grouping::kInt4PerChannel, 4) < 0.1);
+}
+
+TEST_CASE("chapter 10 (in progress): the channels experiment prints both tables, writes its CSVs, refuses a bad group") {
+  const std::string bin = std::string(KVS_BIN_DIR) + "/10_quantized_cache";
+  kvs::test::TempDir dir;
+  const auto r = kvs::test::run_command(bin + " --text-bytes 300 --csv " + dir.file("channels.csv") + " --errors-csv " +
+                                        dir.file("errors.csv"));
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("300 positions of held-out text cached") != std::string::npos);
+  CHECK(r.err.find("int4 per channel") != std::string::npos);
+  std::ifstream channels(dir.file("channels.csv")), errors(dir.file("errors.csv"));
+  int channel_lines = 0, error_lines = 0;
+  for (std::string line; std::getline(channels, line);) ++channel_lines;
+  for (std::string line; std::getline(errors, line);) ++error_lines;
+  CHECK(channel_lines == 1 + 5 * 2 * 64);  // header, then layers x (key, value) x kv_dim
+  CHECK(error_lines == 1 + 5 * 2 * 5);     // header, then layers x (key, value) x formats
+  for (const std::string flags : {"--group 12", "--group 3", "--text-bytes 4096", "--experiment speed"}) {
+    CAPTURE(flags);
+    const auto bad = kvs::test::run_command(bin + " " + flags);
+    CHECK(bad.exit_code == 2);
+    CHECK(std::count(bad.err.begin(), bad.err.end(), '\n') == 1);
+  }
 }
