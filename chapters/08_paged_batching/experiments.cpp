@@ -55,11 +55,6 @@ std::vector<std::vector<int>> outputs_of(const std::vector<RequestResult>& resul
   return outputs;
 }
 
-std::string printable(const std::vector<int>& tokens) {
-  std::string text = decode_bytes(tokens);
-  std::replace(text.begin(), text.end(), '\n', ' ');
-  return text;
-}
 
 }  // namespace
 
@@ -82,7 +77,7 @@ int serve_trace(Setup& s) {
   Progress progress("serving", "requests finished");
   const RunStats stats = serve(s.rt.model, pool, s.requests, s.options, results, report_to(progress));
   for (std::size_t i = 0; i < std::min<std::size_t>(2, results.size()); ++i)
-    std::printf("[request %zu] %s|%s\n", i, printable(s.requests[i].prompt).c_str(), printable(results[i].output).c_str());
+    std::printf("[request %zu] %s|%s\n", i, decode_on_one_line(s.requests[i].prompt).c_str(), decode_on_one_line(results[i].output).c_str());
 
   const auto ttft = collect(results, &RequestResult::time_to_first_token_ms);
   const auto tpot = collect(results, &RequestResult::time_per_output_token_ms);
@@ -286,7 +281,7 @@ int break_double_free(Setup& s) {
     csv.row(i, at, expected[i].size(), s.requests[i].arrival_step);
     if (victims++ == 0) {
       std::printf("request %zu, prompt: %s\n  served correctly: %s\n  with the double free: %s\n", i,
-                  printable(s.requests[i].prompt).c_str(), printable(expected[i]).c_str(), printable(results[i].output).c_str());
+                  decode_on_one_line(s.requests[i].prompt).c_str(), decode_on_one_line(expected[i]).c_str(), decode_on_one_line(results[i].output).c_str());
     }
   }
   std::fprintf(stderr, "%d of %zu requests got different text; checked against each request alone, as serve does, every one "

@@ -15,11 +15,6 @@
 namespace kvs::ch09 {
 namespace {
 
-std::string printable(std::span<const int> tokens) {
-  std::string text = decode_bytes(std::vector<int>(tokens.begin(), tokens.end()));
-  std::replace(text.begin(), text.end(), '\n', ' ');
-  return text;
-}
 
 std::int64_t block_bytes(const Setup& s) { return kv_cache_bytes(s.rt.model.config(), s.block_size); }
 
@@ -32,7 +27,7 @@ ch08::BlockPool make_pool(Setup& s, int blocks, int sequences) {
 struct Served {
   ch08::RunStats stats;
   std::vector<ch08::RequestResult> results;
-  int peak_blocks = 0, running_at_peak = 0;  // the most blocks held at once, and the sequences in that step
+  int running_at_peak = 0;  // sequences in the step that first held stats.peak_used_blocks
   // Of the prompt tokens sequences needed in their caches when admitted (again, after a preemption), the share
   // found there.
   double hit_rate() const {
@@ -46,11 +41,12 @@ Served serve_with(Setup& s, const std::vector<ch08::Request>& requests, int bloc
                   const ch08::SchedulerOptions& options, PrefixCacheStats* cache_stats, const std::string& what) {
   ch08::BlockPool pool = make_pool(s, blocks, options.max_batch);
   Served run;
+  int peak = 0;
   Progress progress(what, "requests finished");
   const ch08::OnStep report = [&](const ch08::RunStats& stats, int finished, int count) {
     progress.update(finished, count);
-    if (stats.peak_used_blocks > run.peak_blocks)  // a new peak: how many sequences hold it
-      run.peak_blocks = stats.peak_used_blocks, run.running_at_peak = stats.step_sequences.back();
+    if (stats.peak_used_blocks > peak)  // a new peak: how many sequences hold it
+      peak = stats.peak_used_blocks, run.running_at_peak = stats.step_sequences.back();
   };
   if (share) {
     PrefixCache cache(pool);
@@ -105,8 +101,8 @@ int samples(Setup& s) {
                        "of %d positions: %s\n", n, s.new_tokens, length, s.rt.sampling.temperature,
                static_cast<unsigned long long>(s.rt.sampling.seed), s.block_size, last_block(s, length).c_str());
   const SamplingRun runs[2] = {sample_prompt(s, n, false), sample_prompt(s, n, true)};
-  std::printf("%s\n", printable(prompt).c_str());
-  for (int i = 0; i < n; ++i) std::printf("  [sample %d] ...%s\n", i, printable(runs[1].outputs[i]).c_str());
+  std::printf("%s\n", decode_on_one_line(prompt).c_str());
+  for (int i = 0; i < n; ++i) std::printf("  [sample %d] ...%s\n", i, decode_on_one_line(runs[1].outputs[i]).c_str());
   const double bytes = double(block_bytes(s));
   std::fprintf(stderr, "KV cache held at the peak: %s shared (%d blocks), %s as %d separate requests (%d blocks): %.2fx; "
                        "%ld prompt tokens prefilled instead of %ld; %ld blocks copied on write\n",
@@ -120,7 +116,7 @@ int samples(Setup& s) {
     const bool separate = runs[1].outputs[i] == runs[0].outputs[i];
     const bool alone = runs[1].outputs[i] == sample_alone(s.rt.model, prompt, s.new_tokens, s.rt.sampling, i);
     same_separate += separate ? 1 : 0, same_alone += alone ? 1 : 0;
-    csv.row(i, runs[1].outputs[i].size(), separate ? 1 : 0, alone ? 1 : 0, printable(runs[1].outputs[i]));
+    csv.row(i, runs[1].outputs[i].size(), separate ? 1 : 0, alone ? 1 : 0, decode_on_one_line(runs[1].outputs[i]));
   }
   std::fprintf(stderr, "same seeds: %d of %d samples identical to the separate requests, %d of %d to each sample alone "
                        "(chapter 03's cache)\n", same_separate, n, same_alone, n);
@@ -160,13 +156,13 @@ int shared_prefix(Setup& s) {
     all_identical &= same == n ? 1 : 0;
     auto held = [&](const Served& run) {  // "12.5 MiB by 13" : the peak, and the requests running then
       char cell[64];
-      std::snprintf(cell, sizeof cell, "%s by %d", format_bytes(run.peak_blocks * bytes).c_str(), run.running_at_peak);
+      std::snprintf(cell, sizeof cell, "%s by %d", format_bytes(run.stats.peak_used_blocks * bytes).c_str(), run.running_at_peak);
       return std::string(cell);
     };
     std::fprintf(stderr, "%4d | %21s %21s | %9ld %9ld | %8.1f ms %8.1f ms | %5.1f%% | %4d of %d\n", n, held(alone).c_str(),
                  held(shared).c_str(), alone.stats.prefill_tokens, shared.stats.prefill_tokens,
                  percentile(ttft_ms(alone, later), 50), percentile(ttft_ms(shared, later), 50), 100 * shared.hit_rate(), same, n);
-    csv.row(n, alone.peak_blocks * bytes, alone.running_at_peak, shared.peak_blocks * bytes, shared.running_at_peak,
+    csv.row(n, alone.stats.peak_used_blocks * bytes, alone.running_at_peak, shared.stats.peak_used_blocks * bytes, shared.running_at_peak,
             alone.stats.prefill_tokens, shared.stats.prefill_tokens, percentile(ttft_ms(alone, later), 50),
             percentile(ttft_ms(shared, later), 50), shared.results[0].time_to_first_token_ms(), shared.hit_rate(),
             alone.stats.wall_ms, shared.stats.wall_ms, same);
@@ -310,8 +306,8 @@ int break_copy_on_write(Setup& s) {
     if (damaged++ == 0) {
       const std::span<const int> good(right.outputs[i]), bad(broken.outputs[i]);
       std::printf("sample %d, prompt: %s\n  with copy-on-write:    %s|%s\n  without copy-on-write: %s|%s\n", i,
-                  printable(prompt).c_str(), printable(good.first(at)).c_str(), printable(good.subspan(at)).c_str(),
-                  printable(bad.first(at)).c_str(), printable(bad.subspan(at)).c_str());
+                  decode_on_one_line(prompt).c_str(), decode_on_one_line(good.first(at)).c_str(), decode_on_one_line(good.subspan(at)).c_str(),
+                  decode_on_one_line(bad.first(at)).c_str(), decode_on_one_line(bad.subspan(at)).c_str());
     }
   }
   std::fprintf(stderr, "%d of %d samples changed (| marks where); checked against each sample alone (chapter 03's cache, same "

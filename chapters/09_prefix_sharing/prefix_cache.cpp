@@ -75,7 +75,6 @@ void PrefixCache::publish(int block, std::uint64_t parent_serial, std::span<cons
   serial_[block] = next_serial_++, parent_[block] = parent_serial, hash_[block] = h;
   int& first = bucket_[h & (bucket_.size() - 1)];
   chain_[block] = first, first = block;
-  ++stats_.published;
 }
 
 void PrefixCache::unpublish(int block) {
@@ -157,15 +156,15 @@ void PrefixCache::filled(ch08::PagedSequence& cache, std::span<const int> tokens
   for (; (done.blocks + 1) * block_size <= cache.length(); ++done.blocks) {
     const int block = cache.blocks()[done.blocks];
     const std::span<const int> own = tokens.subspan(std::size_t(done.blocks) * block_size, block_size);
+    // The block whose serial keys our next block: ours, or - when another sequence published the same tokens
+    // first (both prefilled them at once) - that one's; ours then stays unpublished.
+    int keyed = block;
     if (!published(block)) {
-      // Another sequence may have published the same tokens first (both prefilled them at once): its block
-      // keeps the key, ours stays unpublished, and our next block's key takes its serial as parent.
       const int same = find(done.parent_serial, own);
       if (same < 0) publish(block, done.parent_serial, own);
-      done.parent_serial = serial_[same < 0 ? block : same];
-    } else {
-      done.parent_serial = serial_[block];
+      else keyed = same;
     }
+    done.parent_serial = serial_[keyed];
   }
 }
 
@@ -173,15 +172,15 @@ void PrefixCache::audit(const std::vector<const ch08::PagedSequence*>& running) 
   holders_.assign(pool_.blocks(), 0);
   for (const ch08::PagedSequence* s : running)
     for (int block : s->blocks()) ++holders_[block];
-  for (int block = 0; block < pool_.blocks(); ++block) {
-    const std::string name = "block " + std::to_string(block);
+  auto fail = [](int block, const std::string& what) { return std::logic_error("block " + std::to_string(block) + what); };
+  for (int block = 0; block < pool_.blocks(); ++block) {  // (before every scheduler step: no string unless it fails)
     if (references_[block] != holders_[block])
-      throw std::logic_error(name + " has reference count " + std::to_string(references_[block]) + " but " +
-                             std::to_string(holders_[block]) + " running sequences hold it");
+      throw fail(block, " has reference count " + std::to_string(references_[block]) + " but " +
+                            std::to_string(holders_[block]) + " running sequences hold it");
     if ((references_[block] == 0) != (previous_[block] != kNotQueued))
-      throw std::logic_error(name + (references_[block] == 0 ? " is held by no one but not free" : " is free and held"));
+      throw fail(block, references_[block] == 0 ? " is held by no one but not free" : " is free and held");
     if (published(block) && find(parent_[block], tokens_of(block)) != block)
-      throw std::logic_error(name + " is published but its key finds another block");
+      throw fail(block, " is published but its key finds another block");
   }
   int count = 0;
   for (int block = front_; block >= 0; block = next_[block]) ++count;

@@ -47,7 +47,6 @@ struct PrefixCacheOptions {
 };
 
 struct PrefixCacheStats {
-  long published = 0;    // blocks published
   long evictions = 0;    // published blocks unpublished because the pool needed them
   long cow_copies = 0;   // shared blocks copied before a write
 };
