@@ -53,7 +53,8 @@ int main(int argc, char** argv) {
     if (std::size_t(offset) + text_bytes > text.size())
       throw kvs::UsageError("--offset " + std::to_string(offset) + " + --text-bytes " + std::to_string(text_bytes) +
                             " pass the end of the held-out text (" + std::to_string(text.size()) + " bytes)");
-    rt.plan_kv_cache(kvs::kv_cache_bytes(c, text_bytes) * 3);  // the cache, and its keys and values on the host twice
+    rt.plan_kv_cache(kvs::kv_cache_bytes(c, text_bytes));
+    rt.plan_other(kvs::kv_cache_bytes(c, text_bytes), "the cached keys and values copied to the host");
     std::fprintf(stderr, "%s\n", rt.describe().c_str());
     const kvs::ch10::CachedRows rows = kvs::ch10::cache_rows(rt.model, kvs::encode_bytes(text.substr(offset, text_bytes)));
 
