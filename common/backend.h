@@ -121,6 +121,12 @@ class Backend {
   // block_table.h), the table's blocks in backend memory; rows row_stride floats apart from `rows`, the pool.
   virtual void write_paged_rows(float* rows, int row_stride, const int* positions, BlockTable table, const float* src,
                                 int n, int width) = 0;
+  // Quantize on write (chapter 10): row write_row(ring, positions[i]) of `rows` = src[i] (n, rows.width), coded
+  // in rows.format - each row's groups by CodedRows::encode_group, the one definition; rows' codes and scales
+  // in backend memory. write_paged_coded_rows: the row table.physical_row(positions[i]) of a paged pool.
+  virtual void write_coded_rows(const CodedRows& rows, const int* positions, Ring ring, const float* src, int n) = 0;
+  virtual void write_paged_coded_rows(const CodedRows& rows, const int* positions, BlockTable table, const float* src,
+                                      int n) = 0;
   // gate (count) = silu(gate) ⊙ up
   virtual void swiglu(float* gate, const float* up, std::size_t count) = 0;
   // x (count) += y

@@ -79,6 +79,9 @@ constexpr int kLanes = Eigen::internal::packet_traits<float>::size;
 // time 0.110, 0.103, 0.093 and 0.104 ms (book 03 also has what was tried and dropped). __restrict: out and
 // scratch share no memory with the cache or q.
 constexpr int kRows = 8;
+// Rows of a coded view (chapter 10) the general path below decodes for one product: enough rows that Eigen's
+// product stays efficient, few enough that they stay in L1 (32 KB at head_dim 256).
+constexpr int kDecodedRows = 32;
 template <int kPackets>
 void attend_one_query(float* __restrict out, const float* q, const KvView& kv, int begin, int end, int c0, int c1,
                       int group, float scale, float* __restrict scratch, std::size_t head_stride) {
@@ -87,54 +90,61 @@ void attend_one_query(float* __restrict out, const float* q, const KvView& kv, i
   const int rows = end - begin;
   const std::size_t stride = kv.row_stride;
 
-  // 1. scores of rows r .. r + n - 1, whose keys start at `keys` (row r + j at j · stride)
-  auto score_rows = [&]<int n>(const float* keys, int r, std::integral_constant<int, n>) {
-    for (int c = c0; c < c1; ++c) {
-      const float* key = keys + c * head_dim;  // row r's key of KV head c
-      for (int h = c * group; h < (c + 1) * group; ++h) {
-        const float* query = q + h * head_dim;
-        Packet dot[n];
-        for (int j = 0; j < n; ++j) dot[j] = pmul(ploadu<Packet>(query), ploadu<Packet>(key + j * stride));
-        for (int p = 1; p < kPackets; ++p) {
-          const Packet query_part = ploadu<Packet>(query + p * kLanes);
-          for (int j = 0; j < n; ++j) dot[j] = pmadd(query_part, ploadu<Packet>(key + j * stride + p * kLanes), dot[j]);
-        }
-        for (int j = 0; j < n; ++j) scratch[h * head_stride + r + j] = predux(dot[j]);
+  // 1. scores of rows r .. r + n - 1 for the query heads of KV head c, whose keys start at `key` (row r + j at j · step)
+  auto score_rows = [&]<int n>(const float* key, std::size_t step, int c, int r, std::integral_constant<int, n>) {
+    for (int h = c * group; h < (c + 1) * group; ++h) {
+      const float* query = q + h * head_dim;
+      Packet dot[n];
+      for (int j = 0; j < n; ++j) dot[j] = pmul(ploadu<Packet>(query), ploadu<Packet>(key + j * step));
+      for (int p = 1; p < kPackets; ++p) {
+        const Packet query_part = ploadu<Packet>(query + p * kLanes);
+        for (int j = 0; j < n; ++j) dot[j] = pmadd(query_part, ploadu<Packet>(key + j * step + p * kLanes), dot[j]);
       }
+      for (int j = 0; j < n; ++j) scratch[h * head_stride + r + j] = predux(dot[j]);
     }
   };
-  // 3. out += the weighted values of rows r .. r + n - 1, whose values start at `values` (out: a few KB, stays in L1)
-  auto add_value_rows = [&]<int n>(const float* values, int r, std::integral_constant<int, n>) {
-    for (int c = c0; c < c1; ++c) {
-      const float* value = values + c * head_dim;
-      for (int h = c * group; h < (c + 1) * group; ++h) {
-        Packet weight[n];
-        for (int j = 0; j < n; ++j) weight[j] = pset1<Packet>(scratch[h * head_stride + r + j]);
-        float* o = out + h * head_dim;
-        for (int p = 0; p < kPackets; ++p) {
-          Packet sum = ploadu<Packet>(o + p * kLanes);
-          for (int j = 0; j < n; ++j) sum = pmadd(weight[j], ploadu<Packet>(value + j * stride + p * kLanes), sum);
-          pstoreu(o + p * kLanes, sum);
-        }
+  // 3. out += the weighted values of rows r .. r + n - 1 of KV head c, starting at `value` (out: a few KB, stays in L1)
+  auto add_value_rows = [&]<int n>(const float* value, std::size_t step, int c, int r, std::integral_constant<int, n>) {
+    for (int h = c * group; h < (c + 1) * group; ++h) {
+      Packet weight[n];
+      for (int j = 0; j < n; ++j) weight[j] = pset1<Packet>(scratch[h * head_stride + r + j]);
+      float* o = out + h * head_dim;
+      for (int p = 0; p < kPackets; ++p) {
+        Packet sum = ploadu<Packet>(o + p * kLanes);
+        for (int j = 0; j < n; ++j) sum = pmadd(weight[j], ploadu<Packet>(value + j * step + p * kLanes), sum);
+        pstoreu(o + p * kLanes, sum);
       }
     }
   };
   // Each sweep goes down the runs of rows stored stride apart (the whole range in a contiguous view; a block
-  // at a time in a paged one, KvView::run_end), kRows at a time within a run.
-  auto sweep = [&](const float* base, auto&& rows_at) {
+  // at a time in a paged one, KvView::run_end), kRows at a time within a run. Float rows are read in place;
+  // coded rows (chapter 10) are decoded first, kRows rows of one head at a time into `decoded` on the stack,
+  // which the same products then read: the decoded numbers exist for one group of rows, never for the cache.
+  auto sweep = [&](const float* base, const CodedRows& codes, auto&& rows_at) {
+    alignas(64) float decoded[kRows * head_dim];
+    auto rows_from = [&]<int n>(int r, std::integral_constant<int, n> count) {
+      if (codes.format == KvFormat::kFp32) {
+        const float* first = base + kv.row_offset(begin + r);
+        for (int c = c0; c < c1; ++c) rows_at(first + c * head_dim, stride, c, r, count);
+        return;
+      }
+      for (int c = c0; c < c1; ++c) {
+        for (int j = 0; j < n; ++j) codes.decode_run(kv.physical_row(begin + r + j), c * head_dim, head_dim, decoded + j * head_dim);
+        rows_at(decoded, head_dim, c, r, count);
+      }
+    };
     for (int run = 0; run < rows;) {
       const int run_stop = kv.run_end(begin + run, end) - begin;
-      const float* first = base + kv.row_offset(begin + run);
       int r = run;
-      for (; r + kRows <= run_stop; r += kRows) rows_at(first + (r - run) * stride, r, std::integral_constant<int, kRows>{});
-      for (; r < run_stop; ++r) rows_at(first + (r - run) * stride, r, std::integral_constant<int, 1>{});
+      for (; r + kRows <= run_stop; r += kRows) rows_from(r, std::integral_constant<int, kRows>{});
+      for (; r < run_stop; ++r) rows_from(r, std::integral_constant<int, 1>{});
       run = run_stop;
     }
   };
-  sweep(kv.keys, score_rows);
+  sweep(kv.keys, kv.key_codes, score_rows);
   for (int h = c0 * group; h < c1 * group && rows > 0; ++h) softmax(scratch + h * head_stride, rows, scale);  // 2. weights
   std::fill(out + c0 * group * head_dim, out + c1 * group * head_dim, 0.0f);
-  sweep(kv.values, add_value_rows);
+  sweep(kv.values, kv.value_codes, add_value_rows);
 }
 
 // attend_one_query for this head_dim, or null where head_dim is not 1, 2, 4 or 8 packets (the general path).
@@ -283,6 +293,15 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
   const int group = shape.n_heads / shape.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const float minus_inf = -std::numeric_limits<float>::infinity();
+  if (kv.coded() && head_dim > kMaxCodedHeadDim)
+    throw std::invalid_argument("attention: a coded cache's heads may have up to " + std::to_string(kMaxCodedHeadDim) +
+                                " numbers; this model's have " + std::to_string(head_dim));
+  // View row r's key or value of KV head kv_head (head_dim floats): in place, or decoded into `decoded`.
+  auto row_of = [&](const float* base, const CodedRows& codes, int r, int kv_head, float* decoded) -> const float* {
+    if (codes.format == KvFormat::kFp32) return base + kv.row_offset(r) + kv_head * head_dim;
+    codes.decode_run(kv.physical_row(r), kv_head * head_dim, head_dim, decoded);
+    return decoded;
+  };
 
   // A decode step over one run of rows (through chapter 02's and 03's caches): every head in sweeps over
   // the rows (attend_one_query). Heads of one KV head stay together on one thread; each head's
@@ -309,6 +328,7 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
   // weighted sum are the same as below; only the scores differ in how they are made.
   auto one_head_rotating_at_read = [&](int h) {
     const int kv_head = h / group, pairs = head_dim / 2;
+    alignas(64) float decoded[kMaxCodedHeadDim];  // a coded row's head, decoded as it is read
     float* scores = scratch.data() + h * head_stride;  // (rows)
     for (int i = 0; i < n; ++i) {
       const int query_pos = pos + i;
@@ -320,7 +340,7 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
         const int key_pos = kv.position_of(r);
         scores[r] = minus_inf;
         if (!key_visible(query_pos, key_pos, kv.window)) continue;
-        const float* key = kv.keys + kv.row_offset(r) + kv_head * head_dim;
+        const float* key = row_of(kv.keys, kv.key_codes, r, kv_head, decoded);
         const float* cos_sin = table + std::size_t(rotary_key_position(query_pos, key_pos, kv.window)) * pairs * 2;
         float dot = 0.0f;
         for (int p = 0; p < pairs; ++p) {
@@ -344,7 +364,7 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
         if (scores[r] == minus_inf) continue;  // never read: the row may hold anything
         const float weight = scores[r] / sum;
         if (observed) observed[r] = weight;
-        const float* value = kv.values + kv.row_offset(r) + kv_head * head_dim;
+        const float* value = row_of(kv.values, kv.value_codes, r, kv_head, decoded);
         for (int d = 0; d < head_dim; ++d) o[d] += weight * value[d];
       }
     }
@@ -354,6 +374,7 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
     if (kv.read_rope) return one_head_rotating_at_read(h);
     const int kv_head = h / group;  // the KV head this query head reads
     float* scores_mem = scratch.data() + h * head_stride;
+    alignas(64) float decoded[kDecodedRows * kMaxCodedHeadDim];  // coded rows of this head, decoded (32 KB, this thread's stack)
     for (int q0 = 0; q0 < n; q0 += kQueryBlock) {
       const int nq = std::min(kQueryBlock, n - q0);
       const int first_query = pos + q0, last_query = pos + q0 + nq - 1;
@@ -364,22 +385,34 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
       int begin = 0, end = kv.rows_to_visit(last_query), first_end = 0, last_begin = 0;
       const bool runs = kv.visible_rows(first_query, begin, first_end) && kv.visible_rows(last_query, last_begin, end);
       const int rows = end - begin;
-      // View rows [row, row + count) of this KV head's keys or values: (count, head_dim), rows row_stride apart.
-      auto rows_of = [&](const float* base, int row, int count) {
-        return Eigen::Map<const RowMajor, 0, Strided>(base + kv.row_offset(row) + kv_head * head_dim, count, head_dim,
-                                                      Strided(kv.row_stride));
+      // View rows [row, row + count) of this KV head's keys or values: (count, head_dim), rows row_stride apart
+      // in place; or, from a coded side (chapter 10), decoded into `decoded` (count <= kDecodedRows) and read there.
+      auto rows_of = [&](const float* base, const CodedRows& codes, int row, int count) {
+        if (codes.format == KvFormat::kFp32)
+          return Eigen::Map<const RowMajor, 0, Strided>(base + kv.row_offset(row) + kv_head * head_dim, count, head_dim,
+                                                        Strided(kv.row_stride));
+        for (int j = 0; j < count; ++j)
+          codes.decode_run(kv.physical_row(row + j), kv_head * head_dim, head_dim, decoded + std::size_t(j) * head_dim);
+        return Eigen::Map<const RowMajor, 0, Strided>(decoded, count, head_dim, Strided(head_dim));
       };
+      auto keys_of = [&](int row, int count) { return rows_of(kv.keys, kv.key_codes, row, count); };
+      auto values_of = [&](int row, int count) { return rows_of(kv.values, kv.value_codes, row, count); };
       // f(first row, rows) for each run of rows [begin, end) stored row_stride apart: the whole range in a
-      // contiguous view, a block at a time in a paged one (KvView::run_end). One product per run.
+      // contiguous view, a block at a time in a paged one (KvView::run_end); in a coded view at most kDecodedRows
+      // rows at a time, what `decoded` holds. One product per run.
       auto each_run = [&](auto&& f) {
-        for (int run = begin, stop; run < end; run = stop) stop = kv.run_end(run, end), f(run, stop - run);
+        for (int run = begin, stop; run < end; run = stop) {
+          stop = kv.run_end(run, end);
+          if (kv.coded()) stop = std::min(stop, run + kDecodedRows);
+          f(run, stop - run);
+        }
       };
       Eigen::Map<const RowMajor, 0, Strided> Q(q + std::size_t(q0) * dim + h * head_dim, nq, head_dim, Strided(dim));
       Eigen::Map<RowMajor, 0, Strided> O(out + std::size_t(q0) * dim + h * head_dim, nq, head_dim, Strided(dim));
       Eigen::Map<RowMajor> S(scores_mem, nq, rows);  // (nq, rows): row r of S is view row begin + r
       // The scale is applied to the visible scores below: folded into the product, it makes Eigen allocate
       // a temporary for a single query, i.e. on every decode step.
-      each_run([&](int run, int count) { S.middleCols(run - begin, count).noalias() = Q * rows_of(kv.keys, run, count).transpose(); });
+      each_run([&](int run, int count) { S.middleCols(run - begin, count).noalias() = Q * keys_of(run, count).transpose(); });
       // A row that no query of the block may see (an empty slot, a row outside the window) must not enter
       // the product below, whatever its bytes. Checked at the block's first and last query: a row only a
       // middle query sees is flagged too, which costs the exact path below, never a wrong result.
@@ -417,7 +450,7 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
         }
       if (!unseen_row) {  // every row is seen by some query of the block: its bytes are real keys/values
         O.setZero();  // += onto exact zeros: the sums of a single run are those of O = S · V
-        each_run([&](int run, int count) { O.noalias() += S.middleCols(run - begin, count) * rows_of(kv.values, run, count); });
+        each_run([&](int run, int count) { O.noalias() += S.middleCols(run - begin, count) * values_of(run, count); });
         continue;
       }
       // Some rows hold nothing this block may read: a weight of 0 times a NaN in such a row would still be
@@ -427,7 +460,7 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
         const int query_pos = first_query + i;
         for (int r = 0; r < rows; ++r)
           if (key_visible(query_pos, kv.position_of(begin + r), kv.window))
-            O.row(i).noalias() += S(i, r) * rows_of(kv.values, begin + r, 1).row(0);
+            O.row(i).noalias() += S(i, r) * values_of(begin + r, 1).row(0);
       }
     }
   };
@@ -460,6 +493,24 @@ void CpuBackend::write_positions(int* slot_positions, const int* positions, Ring
 void CpuBackend::write_paged_rows(float* rows, int row_stride, const int* positions, BlockTable table,
                                   const float* src, int n, int width) {
   scatter_rows(rows, row_stride, positions, table, src, n, width);
+}
+
+// Row write_row(where, positions[i]) of `rows` = src[i] coded, group by group (kv_format.h).
+template <typename Where>
+void CpuBackend::encode_rows(const CodedRows& rows, const int* positions, Where where, const float* src, int n) {
+  for (int i = 0; i < n; ++i) {
+    const std::size_t row = write_row(where, positions[i]);
+    for (int g = 0; g < rows.groups(); ++g) rows.encode_group(row, g, src + std::size_t(i) * rows.width + g * rows.group);
+  }
+}
+
+void CpuBackend::write_coded_rows(const CodedRows& rows, const int* positions, Ring ring, const float* src, int n) {
+  encode_rows(rows, positions, ring, src, n);
+}
+
+void CpuBackend::write_paged_coded_rows(const CodedRows& rows, const int* positions, BlockTable table, const float* src,
+                                        int n) {
+  encode_rows(rows, positions, table, src, n);
 }
 
 void CpuBackend::swiglu(float* gate, const float* up, std::size_t count) {

@@ -50,17 +50,25 @@ class CpuBackend final : public Backend {
   void write_positions(int* slot_positions, const int* positions, Ring ring, int n) override;
   void write_paged_rows(float* rows, int row_stride, const int* positions, BlockTable table, const float* src, int n,
                         int width) override;
+  void write_coded_rows(const CodedRows& rows, const int* positions, Ring ring, const float* src, int n) override;
+  void write_paged_coded_rows(const CodedRows& rows, const int* positions, BlockTable table, const float* src,
+                              int n) override;
   void swiglu(float* gate, const float* up, std::size_t count) override;
   void add(float* x, const float* y, std::size_t count) override;
 
   // Queries per attention block: scores are computed for this many queries at a time, so the scratch
   // is (n_heads, kQueryBlock, max_rows) whatever the prompt length.
   static constexpr int kQueryBlock = 64;
+  // The longest head a coded view (chapter 10) may have: attention decodes a few rows of one head at a time
+  // into a buffer of this many floats per row, on the stack.
+  static constexpr int kMaxCodedHeadDim = 256;
 
  private:
   float* allocate_weights(std::size_t floats);  // kept in weights_
   template <typename Where>
   void scatter_rows(float* rows, int row_stride, const int* positions, Where where, const float* src, int n, int width);
+  template <typename Where>
+  void encode_rows(const CodedRows& rows, const int* positions, Where where, const float* src, int n);
   int threads_;
   std::unique_ptr<WorkerPool> pool_;
   std::vector<float*> weights_;  // uploaded weights, released with the backend

@@ -15,6 +15,7 @@
 
 #include "block_table.h"
 #include "host_device.h"
+#include "kv_format.h"
 #include "ring.h"
 
 namespace kvs {
@@ -54,7 +55,9 @@ KVS_HOST_DEVICE inline int rotary_key_position(int query_pos, int key_pos, Windo
 // The keys and values one layer may attend to: `rows` rows of kv_dim floats (n_kv_heads heads of
 // head_dim each), consecutive rows `row_stride` floats apart, in the backend's memory - or, in a paged view
 // (`paged.blocks` not null, chapter 08), row r at physical row paged.physical_row(r) of the pool that `keys`
-// and `values` start. Attention finds a row through row_offset(), whatever the layout.
+// and `values` start. Attention finds a row through row_offset(), whatever the layout. Chapter 10's caches store
+// the rows coded instead (key_codes, value_codes: fp16, bf16, int8, int4); a reader that wants a number whatever
+// the storage calls key() and value().
 struct KvView {
   const float* keys = nullptr;    // (rows, row_stride), first kv_dim floats of a row used
   const float* values = nullptr;  // (rows, row_stride)
@@ -73,15 +76,33 @@ struct KvView {
   const float* read_rope = nullptr;
   // Not null: a paged view (block_table.h); its table lives in backend memory like the rows.
   BlockTable paged = BlockTable{};
+  // A side whose format is not kFp32 is stored coded (kv_format.h, chapter 10): its row r is the codes' and
+  // scales' physical_row(r), `keys` (or `values`) is null, and attention decodes each number as it reads it -
+  // no decoded copy of the cache is ever made. kFp32 (the default): the float rows above.
+  CodedRows key_codes = CodedRows{}, value_codes = CodedRows{};
 
   // Floats from keys (or values) to the start of row r.
   KVS_HOST_DEVICE std::size_t row_offset(int r) const {
-    return std::size_t(paged.blocks ? paged.physical_row(r) : r) * row_stride;
+    return std::size_t(physical_row(r)) * row_stride;
   }
   // The end of the run of rows from r on that lie row_stride floats apart, at most `end`: `end` itself in a
   // contiguous view, the end of r's block in a paged one. A fast path that reads rows as a strided matrix
   // reads one such run at a time.
   KVS_HOST_DEVICE int run_end(int r, int end) const { return paged.blocks ? paged.run_end(r, end) : end; }
+
+  // The row of the pool (or of the contiguous rows) that holds view row r.
+  KVS_HOST_DEVICE int physical_row(int r) const { return paged.blocks ? paged.physical_row(r) : r; }
+  KVS_HOST_DEVICE bool coded() const { return key_codes.format != KvFormat::kFp32 || value_codes.format != KvFormat::kFp32; }
+  // Number `channel` (of kv_dim) of row r's key, or value: stored or decoded. What a plain reader calls (the
+  // reference attention, the CUDA kernels); the CPU's fast paths read float rows in place and decode a head of
+  // coded rows at a time (CodedRows::decode_run).
+  KVS_HOST_DEVICE float key(int r, int channel) const {
+    return key_codes.format == KvFormat::kFp32 ? keys[row_offset(r) + channel] : key_codes.decode(physical_row(r), channel);
+  }
+  KVS_HOST_DEVICE float value(int r, int channel) const {
+    return value_codes.format == KvFormat::kFp32 ? values[row_offset(r) + channel]
+                                                 : value_codes.decode(physical_row(r), channel);
+  }
 
   KVS_HOST_DEVICE int position_of(int row) const {
     return row_positions ? row_positions[row] : first_position + row;

@@ -21,6 +21,7 @@
 // silently clamped. fp16 and bf16 keep NaN and infinities as such (fp16: finite numbers beyond 65504 too
 // become infinities).
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -42,19 +43,11 @@ inline const char* to_string(KvFormat f) {
   return "?";
 }
 
-// The bytes one cached position costs in one layer, keys and values together, scales included: what
-// `2 · layers · kv_heads · head_dim · positions · bytes` becomes when "bytes" is not a whole number.
-// int4 needs head_dim to be a multiple of `group`, and `group` even (two numbers a byte, groups never share one).
-inline std::int64_t kv_bytes_per_position(KvFormat f, int kv_heads, int head_dim, int group) {
-  const std::int64_t numbers = std::int64_t(kv_heads) * head_dim;  // in a key, and again in a value
-  switch (f) {
-    case KvFormat::kFp32: return 2 * numbers * 4;
-    case KvFormat::kFp16:
-    case KvFormat::kBf16: return 2 * numbers * 2;
-    case KvFormat::kInt8: return 2 * (numbers + std::int64_t(kv_heads) * 4);              // + a scale a head
-    case KvFormat::kInt4: return 2 * (numbers / 2 + (numbers / group) * 2 * 4);           // + scale, minimum a group
-  }
-  return 0;
+// The format named `name` (fp32, fp16, bf16, int8, int4); false for any other name.
+inline bool parse_kv_format(const std::string& name, KvFormat& format) {
+  for (KvFormat f : {KvFormat::kFp32, KvFormat::kFp16, KvFormat::kBf16, KvFormat::kInt8, KvFormat::kInt4})
+    if (name == to_string(f)) return format = f, true;
+  return false;
 }
 
 // Why a format cannot store rows of this shape; empty when it can.
@@ -171,6 +164,120 @@ KVS_HOST_DEVICE inline Int4Group quantize_int4(const float* x, int n, std::uint8
 KVS_HOST_DEVICE inline float dequantize_int4(const std::uint8_t* packed, int i, Int4Group g) {
   const int level = (packed[i / 2] >> (4 * (i % 2))) & 0xf;
   return g.minimum + float(level) * g.scale;
+}
+
+// ---- a cache's rows in a format: quantize on write, dequantize on read ----
+
+// One side (the keys or the values) of a cache's rows stored in `format`, in backend memory: per row, `width`
+// numbers as codes and, for int8 and int4, their scales. Row r's codes start at byte r · code_bytes(), its
+// scales at float r · scales_per_row(); r is a physical row (a ring's slot, a paged pool's row), so the rows
+// need not be a sequence's positions in order. Every row is coded on its own (per token): a number's scale
+// lies in its own row. Backend::write_coded_rows calls encode_group, attention calls decode / decode_run:
+// the one definition of the layout, on the CPU and in CUDA kernels.
+struct CodedRows {
+  KvFormat format = KvFormat::kFp32;  // kFp32 in a view: not coded (its float rows are read instead)
+  std::uint8_t* codes = nullptr;      // (rows, code_bytes())
+  float* scales = nullptr;            // (rows, scales_per_row()): int8 a scale per head, int4 (scale, minimum) per group
+  int width = 0;                      // numbers a row: kv_dim
+  int group = 1;                      // numbers that share a scale: int8 head_dim, int4 its group; 1 otherwise
+
+  KVS_HOST_DEVICE int code_bytes() const {
+    switch (format) {
+      case KvFormat::kFp32: return 4 * width;
+      case KvFormat::kFp16:
+      case KvFormat::kBf16: return 2 * width;
+      case KvFormat::kInt8: return width;
+      case KvFormat::kInt4: return width / 2;
+    }
+    return 0;
+  }
+  KVS_HOST_DEVICE int groups() const { return width / group; }
+  KVS_HOST_DEVICE int scales_per_row() const {
+    return format == KvFormat::kInt8 ? groups() : format == KvFormat::kInt4 ? 2 * groups() : 0;
+  }
+  // Bytes one row costs, scales included.
+  KVS_HOST_DEVICE std::int64_t row_bytes() const { return code_bytes() + std::int64_t{4} * scales_per_row(); }
+
+  // Quantize on write: group g of a row (numbers [g · group, (g + 1) · group)), x its `group` floats, into row `row`.
+  KVS_HOST_DEVICE void encode_group(std::size_t row, int g, const float* x) const {
+    std::uint8_t* c = codes + row * code_bytes();
+    float* s = scales + row * scales_per_row();
+    const int first = g * group;
+    switch (format) {
+      case KvFormat::kFp32: memcpy(c + 4 * first, x, 4 * std::size_t(group)); return;
+      case KvFormat::kFp16:
+        for (int i = 0; i < group; ++i) reinterpret_cast<std::uint16_t*>(c)[first + i] = to_fp16(x[i]);
+        return;
+      case KvFormat::kBf16:
+        for (int i = 0; i < group; ++i) reinterpret_cast<std::uint16_t*>(c)[first + i] = to_bf16(x[i]);
+        return;
+      case KvFormat::kInt8: s[g] = quantize_int8(x, group, reinterpret_cast<std::int8_t*>(c) + first); return;
+      case KvFormat::kInt4: {
+        const Int4Group q = quantize_int4(x, group, c + first / 2);
+        s[2 * g] = q.scale, s[2 * g + 1] = q.minimum;
+        return;
+      }
+    }
+  }
+
+  // Dequantize on read: number `channel` of row `row`.
+  KVS_HOST_DEVICE float decode(std::size_t row, int channel) const {
+    const std::uint8_t* c = codes + row * code_bytes();
+    const float* s = scales + row * scales_per_row();
+    switch (format) {
+      case KvFormat::kFp32: return reinterpret_cast<const float*>(c)[channel];
+      case KvFormat::kFp16: return from_fp16(reinterpret_cast<const std::uint16_t*>(c)[channel]);
+      case KvFormat::kBf16: return from_bf16(reinterpret_cast<const std::uint16_t*>(c)[channel]);
+      case KvFormat::kInt8: return dequantize_int8(reinterpret_cast<const std::int8_t*>(c)[channel], s[channel / group]);
+      case KvFormat::kInt4: {
+        const int g = channel / group;
+        return dequantize_int4(c + g * group / 2, channel - g * group, Int4Group{s[2 * g], s[2 * g + 1]});
+      }
+    }
+    return NAN;
+  }
+  // out (count) = numbers [first, first + count) of row `row`, as decode gives them; the format chosen once for
+  // the run, so each loop is one the compiler can vectorise (the CPU's attention decodes a head at a time).
+  KVS_HOST_DEVICE void decode_run(std::size_t row, int first, int count, float* out) const {
+    const std::uint8_t* c = codes + row * code_bytes();
+    const float* s = scales + row * scales_per_row();
+    switch (format) {
+      case KvFormat::kFp32: memcpy(out, c + 4 * std::size_t(first), 4 * std::size_t(count)); return;
+      case KvFormat::kFp16:
+        for (int i = 0; i < count; ++i) out[i] = from_fp16(reinterpret_cast<const std::uint16_t*>(c)[first + i]);
+        return;
+      case KvFormat::kBf16:
+        for (int i = 0; i < count; ++i) out[i] = from_bf16(reinterpret_cast<const std::uint16_t*>(c)[first + i]);
+        return;
+      case KvFormat::kInt8:
+      case KvFormat::kInt4: break;
+    }
+    for (int i = 0; i < count;) {  // a run of one scale at a time
+      const int channel = first + i, g = channel / group, stop = (g + 1) * group - first < count ? (g + 1) * group - first : count;
+      if (format == KvFormat::kInt8) {
+        const std::int8_t* q = reinterpret_cast<const std::int8_t*>(c);
+        for (; i < stop; ++i) out[i] = dequantize_int8(q[first + i], s[g]);
+      } else {
+        const Int4Group q{s[2 * g], s[2 * g + 1]};
+        for (; i < stop; ++i) out[i] = dequantize_int4(c + g * group / 2, first + i - g * group, q);
+      }
+    }
+  }
+};
+
+// The layout of one side of a cache of rows of `kv_heads` heads of head_dim numbers in `format` (int4: groups
+// of `int4_group` channels; kv_format_shape_error says whether the shape can be stored). No memory yet.
+inline CodedRows coded_rows_layout(KvFormat format, int kv_heads, int head_dim, int int4_group) {
+  return CodedRows{.format = format,
+                   .width = kv_heads * head_dim,
+                   .group = format == KvFormat::kInt8 ? head_dim : format == KvFormat::kInt4 ? int4_group : 1};
+}
+
+// The bytes one cached position costs in one layer, keys and values together, scales included: what
+// `2 · layers · kv_heads · head_dim · positions · bytes` becomes when "bytes" is not a whole number.
+// int4 needs head_dim to be a multiple of `group`, and `group` even (two numbers a byte, groups never share one).
+inline std::int64_t kv_bytes_per_position(KvFormat f, int kv_heads, int head_dim, int group) {
+  return 2 * coded_rows_layout(f, kv_heads, head_dim, group).row_bytes();
 }
 
 }  // namespace kvs

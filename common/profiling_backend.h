@@ -90,6 +90,14 @@ class ProfilingBackend final : public Backend {
                         int width) override {
     timed(OpKind::kOther, [&] { inner_.write_paged_rows(rows, row_stride, positions, table, src, n, width); });
   }
+  void write_coded_rows(const CodedRows& rows, const int* positions, Ring ring, const float* src, int n) override {
+    timed(OpKind::kOther, [&] { inner_.write_coded_rows(rows, positions, ring, src, n); });
+  }
+  void write_paged_coded_rows(const CodedRows& rows, const int* positions, BlockTable table, const float* src,
+                              int n) override {
+    timed(OpKind::kOther, [&] { inner_.write_paged_coded_rows(rows, positions, table, src, n); });
+  }
+
   void swiglu(float* gate, const float* up, std::size_t count) override {
     timed(OpKind::kOther, [&] { inner_.swiglu(gate, up, count); });
   }

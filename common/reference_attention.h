@@ -4,7 +4,7 @@
 // sweeps and Eigen blocks, the CUDA kernels, paged and ring views: tests/test_attention.cpp,
 // test_cuda_backend.cpp, test_batched.cpp). Never called by a chapter: double sums and a query at a time make
 // it slow on purpose, so that nothing in it is clever. It reads the view's rows only through position_of,
-// row_offset and key_visible, and a row a query may not see is never touched, so empty rows may hold
+// key_visible and KvView::key / value (row_offset; for a coded view, chapter 10, the one decode), and a row a query may not see is never touched, so empty rows may hold
 // anything. With read_rope it rotates the query and each key by their rotary positions (kv_cache.h) before
 // the dot product.
 #include <cmath>
@@ -37,8 +37,7 @@ inline void reference_attention(float* out, const float* q, int pos, int n, cons
       for (int r = 0; r < kv.rows; ++r) {
         weight[r] = -INFINITY;
         if (!key_visible(pos + i, kv.position_of(r), kv.window)) continue;
-        const float* stored = kv.keys + kv.row_offset(r) + kv_head * head_dim;
-        key.assign(stored, stored + head_dim);
+        for (int d = 0; d < head_dim; ++d) key[d] = kv.key(r, kv_head * head_dim + d);  // stored or decoded
         if (kv.read_rope) rotate(key, rotary_key_position(pos + i, kv.position_of(r), kv.window));
         double dot = 0;
         for (int d = 0; d < head_dim; ++d) dot += double(query[d]) * key[d];
@@ -53,7 +52,7 @@ inline void reference_attention(float* out, const float* q, int pos, int n, cons
         double acc = 0;
         for (int r = 0; r < kv.rows; ++r)
           if (weight[r] != -INFINITY)
-            acc += weight[r] / sum * kv.values[kv.row_offset(r) + kv_head * head_dim + d];
+            acc += weight[r] / sum * kv.value(r, kv_head * head_dim + d);
         o[d] = static_cast<float>(acc);  // 0 when nothing is visible, as the backends give
       }
       if (weights)

@@ -102,6 +102,14 @@ __global__ void write_rows_kernel(float* rows, int row_stride, const int* positi
   for (int d = threadIdx.x; d < width; d += blockDim.x) row[d] = src[i * width + d];
 }
 
+// Quantize on write (chapter 10): row write_row(where, positions[i]) of `rows` = src[i] (n, rows.width) coded.
+// Grid (n), block 256: block i codes row i, a thread per group (CodedRows::encode_group, kv_format.h).
+template <typename Where>
+__global__ void write_coded_rows_kernel(CodedRows rows, const int* positions, Where where, const float* src) {
+  const std::size_t i = blockIdx.x, row = write_row(where, positions[i]);
+  for (int g = threadIdx.x; g < rows.groups(); g += blockDim.x) rows.encode_group(row, g, src + i * rows.width + g * rows.group);
+}
+
 // slot_positions[ring.write_slot(positions[i])] = positions[i], i < n. Grid (1), block 256 (n: a call's
 // positions, at most a prefill chunk), threads stride over i.
 __global__ void write_positions_kernel(int* slot_positions, const int* positions, Ring ring, int n) {
@@ -154,11 +162,13 @@ __device__ void load_query(float (&query)[kElements], const float* query_row, co
 
 // Element d of view row r's key (position key_pos) in the KV head at kv_offset, as the query at query_pos
 // sees it: as stored, or rotated by its rotary position when the view rotates at read time.
+// KvView::key reads it as stored, or decodes it from a coded cache (chapter 10).
 __device__ float key_element(const KvView& kv, int r, int key_pos, int query_pos, int kv_offset, int d, int head_dim) {
-  const float* key = kv.keys + kv.row_offset(r) + kv_offset;
-  if (!kv.read_rope) return key[d];
+  if (!kv.read_rope) return kv.key(r, kv_offset + d);
   const float* cos_sin = kv.read_rope + std::size_t(rotary_key_position(query_pos, key_pos, kv.window)) * (head_dim / 2) * 2;
-  return rope_rotated_element(key, d, cos_sin + (d / 2) * 2);
+  float pair[2] = {kv.key(r, kv_offset + (d & ~1)), kv.key(r, kv_offset + (d | 1))};
+  rope_rotate(pair, cos_sin + (d / 2) * 2);
+  return pair[d & 1];
 }
 
 // The scaled score q·k / sqrt(head_dim) of view row r (key at key_pos), the same in every lane of the warp.
@@ -226,7 +236,6 @@ __device__ PartialSoftmax attend_rows(HeadPartials& parts, const float (&query)[
   for (int r = row_begin + warp; r < row_end; r += warps) {
     const int key_pos = kv.position_of(r);
     if (!key_visible(query_pos, key_pos, kv.window)) continue;  // the same r in every lane
-    const float* value = kv.values + kv.row_offset(r) + kv_offset;
     const float score = score_of(query, kv, r, key_pos, query_pos, kv_offset, head_dim, lane);
     const float new_max = fmaxf(running_max, score);
     const float rescale = expf(running_max - new_max);  // 0 for the first visible row
@@ -234,7 +243,7 @@ __device__ PartialSoftmax attend_rows(HeadPartials& parts, const float (&query)[
     total = total * rescale + weight;
     for (int j = 0; j < kPerLane; ++j) {
       const int d = lane + j * kWarp;
-      if (d < head_dim) values[j] = values[j] * rescale + weight * value[d];
+      if (d < head_dim) values[j] = values[j] * rescale + weight * kv.value(r, kv_offset + d);
     }
     running_max = new_max;
   }
@@ -340,9 +349,8 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
       const int j = e / kHeadDim, d = e % kHeadDim;
       const int key_pos = tile_positions[j];
       const bool read = key_pos >= 0 && key_pos <= last_pos && d < head_dim;  // a row some query may see
-      const std::size_t at = read ? kv.row_offset(tile + j) + kv_offset + d : 0;  // a paged view has no row past end
-      k_tile[j * kPadded + d] = read ? kv.keys[at] : 0.0f;
-      v_tile[j * kHeadDim + d] = read ? kv.values[at] : 0.0f;
+      k_tile[j * kPadded + d] = read ? kv.key(tile + j, kv_offset + d) : 0.0f;  // stored or decoded (chapter 10)
+      v_tile[j * kHeadDim + d] = read ? kv.value(tile + j, kv_offset + d) : 0.0f;
     }
     int key_pos[kTilePer];
     KVS_UNROLL
@@ -454,12 +462,11 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
     for (int i = 0; i < kRowsInFlight; ++i) {
       const int r = first + i, key_pos = r < row_end ? kv.position_of(r) : -1;
       visible[i] = r < row_end && key_visible(query_pos, key_pos, kv.window);  // the same in every lane
-      const float* value_row = visible[i] ? kv.values + kv.row_offset(r) + kv_offset : kv.values;  // paged: no row past the end
       for (int j = 0; j < kElements; ++j) {
         const int d = lane + j * kWarp;
         const bool load = visible[i] && d < head_dim;  // a hidden row is never read: its bytes may be NaN
         key[i][j] = load ? key_element(kv, r, key_pos, query_pos, kv_offset, d, head_dim) : 0.0f;
-        value[i][j] = load ? value_row[d] : 0.0f;
+        value[i][j] = load ? kv.value(r, kv_offset + d) : 0.0f;
       }
     }
     KVS_UNROLL
@@ -1016,6 +1023,15 @@ class CudaBackend final : public Backend {
                         int width) override {
     KVS_LAUNCH(write_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, row_stride,
                positions, table, src, width);
+  }
+  void write_coded_rows(const CodedRows& rows, const int* positions, Ring ring, const float* src, int n) override {
+    KVS_LAUNCH(write_coded_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, positions,
+               ring, src);
+  }
+  void write_paged_coded_rows(const CodedRows& rows, const int* positions, BlockTable table, const float* src,
+                              int n) override {
+    KVS_LAUNCH(write_coded_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows,
+               positions, table, src);
   }
   void swiglu(float* gate, const float* up, std::size_t count) override {
     KVS_LAUNCH(swiglu_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, stream_, gate, up, count);
