@@ -1,0 +1,193 @@
+// Chapter 10's coded cache: quantize on write on every backend (CodedRows::encode_group through
+// Backend::write_coded_rows), attention over a coded view against the plain reference over the rows decoded
+// one by one on the host, and the shipped model through QuantizedKvCache against fp32.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "10_quantized_cache/quantized_kv_cache.h"
+#include "generate.h"
+#include "kv_format.h"
+#include "model.h"
+#include "reference_attention.h"
+#include "test_backends.h"
+#include "test_util.h"
+
+using namespace kvs;
+using namespace kvs::test;
+
+namespace {
+
+constexpr KvFormat kCoded[] = {KvFormat::kFp16, KvFormat::kBf16, KvFormat::kInt8, KvFormat::kInt4};
+
+// The largest error a format's round trip may make on a group whose numbers span [lowest, highest]
+// (kv_format.h's stated bounds).
+float stated_bound(KvFormat f, float lowest, float highest) {
+  const float largest = std::max(std::fabs(lowest), std::fabs(highest));
+  switch (f) {
+    case KvFormat::kFp32: return 0.0f;
+    case KvFormat::kFp16: return largest * 0x1p-11f + 0x1p-25f;  // or half the smallest subnormal
+    case KvFormat::kBf16: return largest * 0x1p-8f;
+    case KvFormat::kInt8: return largest / 254.0f * 1.0001f;
+    case KvFormat::kInt4: return (highest - lowest) / 30.0f * 1.0001f;
+  }
+  return 0.0f;
+}
+
+// How a test view's rows are laid out in the backend.
+enum class Layout { kContiguous, kPaged, kRingWithSinks, kRotateAtRead };
+const char* to_string(Layout l) {
+  switch (l) {
+    case Layout::kContiguous: return "contiguous";
+    case Layout::kPaged: return "paged";
+    case Layout::kRingWithSinks: return "ring with sinks";
+    case Layout::kRotateAtRead: return "rotated at read";
+  }
+  return "?";
+}
+
+// Backend attention over a coded view of `rows` rows (positions 0 .. rows-1; a ring's slots shuffled, its first
+// slot left empty) against reference_attention over the same rows decoded on the host, for queries at
+// pos .. pos + n - 1. Also checks that every stored number is within its format's bound of what was written.
+void check_coded_attention(Backend& b, KvFormat format, Layout layout, const AttentionShape& shape, int int4_group,
+                           int rows, int pos, int n) {
+  CAPTURE(to_string(format));
+  CAPTURE(to_string(layout));
+  CAPTURE(shape.head_dim);
+  CAPTURE(n);
+  const int kv_dim = shape.n_kv_heads * shape.head_dim, dim = shape.n_heads * shape.head_dim;
+  std::mt19937 gen(rows * 31 + n);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  // Keys with an outlier channel (what this model's keys have, chapter 10 measures), values without.
+  std::vector<float> keys(std::size_t(rows) * kv_dim), values(keys.size()), q(std::size_t(n) * dim);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    keys[i] = normal(gen) * (i % kv_dim == 5 ? 12.0f : 1.0f);
+    values[i] = normal(gen);
+  }
+  for (float& x : q) x = normal(gen);
+
+  // Where each position's row goes: itself, a shuffled block table (blocks of 5), or a ring slot.
+  const int block_size = 5, blocks = blocks_needed(rows, block_size);
+  std::vector<int> table(blocks);
+  for (int i = 0; i < blocks; ++i) table[i] = (i * 3 + 1) % blocks;  // a permutation of the 14 blocks of 70 rows
+  const int slots = layout == Layout::kRingWithSinks ? rows + 1 : rows;  // slot 0 of the ring stays empty
+  std::vector<int> slot_positions(slots, -1), physical(rows);
+  for (int p = 0; p < rows; ++p) {
+    physical[p] = layout == Layout::kPaged ? table[p / block_size] * block_size + p % block_size
+                  : layout == Layout::kRingWithSinks ? (p * 3) % rows + 1 : p;  // 3: coprime with the test's 70 rows
+    if (layout == Layout::kRingWithSinks) slot_positions[physical[p]] = p;
+  }
+  const int stored_rows = layout == Layout::kPaged ? blocks * block_size : slots;
+
+  CodedRows side = coded_rows_layout(format, shape.n_kv_heads, shape.head_dim, int4_group);
+  auto allocate = [&](CodedRows rows_of, Buffer& memory) {
+    const std::size_t code_floats = (std::size_t(stored_rows) * rows_of.code_bytes() + 3) / 4;
+    memory = Buffer(b, code_floats + std::size_t(stored_rows) * rows_of.scales_per_row());
+    rows_of.codes = reinterpret_cast<std::uint8_t*>(memory.data());
+    rows_of.scales = memory.data() + code_floats;
+    return rows_of;
+  };
+  Buffer key_memory, value_memory;
+  const CodedRows key_codes = allocate(side, key_memory), value_codes = allocate(side, value_memory);
+  // Unwritten rows hold NaN codes and scales: attention must never read a row nobody wrote.
+  for (Buffer* memory : {&key_memory, &value_memory}) {
+    const std::vector<float> poison(memory->size(), std::numeric_limits<float>::quiet_NaN());
+    b.from_host(memory->data(), poison.data(), poison.size());
+  }
+  const Buffer d_keys = to_backend(b, keys), d_values = to_backend(b, values);
+  IntBuffer d_table(b, table.size()), d_slot_positions(b, slot_positions.size()), d_write(b, rows);
+  b.from_host(d_table.data(), table.data(), table.size());
+  b.from_host(d_slot_positions.data(), slot_positions.data(), slot_positions.size());
+  // Written in two calls (a prefill, then the rest) to cross a call boundary, as a cache does.
+  const int first_call = rows / 2;
+  for (auto [from, count] : {std::pair{0, first_call}, std::pair{first_call, rows - first_call}}) {
+    std::vector<int> targets(count);
+    for (int i = 0; i < count; ++i) targets[i] = layout == Layout::kPaged ? from + i : physical[from + i];
+    b.from_host(d_write.data(), targets.data(), targets.size());
+    for (auto [codes, src] : {std::pair{key_codes, d_keys.data()}, std::pair{value_codes, d_values.data()}}) {
+      if (layout == Layout::kPaged)
+        b.write_paged_coded_rows(codes, d_write.data(), BlockTable{d_table.data(), block_size}, src + std::size_t(from) * kv_dim, count);
+      else
+        b.write_coded_rows(codes, d_write.data(), Ring::unbounded(), src + std::size_t(from) * kv_dim, count);
+    }
+  }
+  const Window window = layout == Layout::kRingWithSinks ? Window{rows / 2, 3}
+                        : layout == Layout::kRotateAtRead ? Window{rows + 8, 0} : Window{};
+  const std::vector<float> rope = layout == Layout::kRotateAtRead ? rope_table(window.size, shape.head_dim) : std::vector<float>{};
+  const Buffer d_rope = to_backend(b, rope);
+  KvView view{.rows = layout == Layout::kPaged ? rows : stored_rows, .row_stride = kv_dim, .window = window};
+  if (layout == Layout::kPaged) view.paged = BlockTable{d_table.data(), block_size};
+  if (layout == Layout::kRingWithSinks) view.row_positions = d_slot_positions.data();
+  if (layout == Layout::kRotateAtRead) view.read_rope = d_rope.data();
+  view.key_codes = key_codes, view.value_codes = value_codes;
+
+  const Buffer d_q = to_backend(b, q);
+  Buffer d_out(b, q.size());
+  Buffer scratch(b, b.attention_scratch_floats(shape, view.rows));
+  const IntBuffer d_positions = consecutive_positions(b, pos, n);
+  b.attention(d_out.data(), d_q.data(), d_positions.data(), n, view, shape, {scratch.data(), scratch.size()}, nullptr);
+  const std::vector<float> out = from_backend(b, d_out);
+
+  // The oracle: the stored rows copied to the host, decoded number by number, as fp32 rows at the same places.
+  std::vector<float> host_keys(std::size_t(stored_rows) * kv_dim, NAN), host_values(host_keys.size(), NAN);
+  for (auto [memory, codes, decoded, written] : {std::tuple{&key_memory, key_codes, &host_keys, &keys},
+                                                 std::tuple{&value_memory, value_codes, &host_values, &values}}) {
+    std::vector<float> copy(memory->size());
+    b.to_host(copy.data(), memory->data(), copy.size());
+    CodedRows host = codes;
+    host.codes = reinterpret_cast<std::uint8_t*>(copy.data());
+    host.scales = copy.data() + (reinterpret_cast<float*>(codes.scales) - memory->data());
+    for (int p = 0; p < rows; ++p)
+      for (int g = 0; g < host.groups(); ++g) {
+        const float* x = written->data() + std::size_t(p) * kv_dim + g * host.group;
+        const auto [lowest, highest] = std::minmax_element(x, x + host.group);
+        for (int i = 0; i < host.group; ++i) {
+          const int channel = g * host.group + i;
+          const float back = host.decode(physical[p], channel);
+          (*decoded)[std::size_t(physical[p]) * kv_dim + channel] = back;
+          if (!(std::fabs(back - x[i]) <= stated_bound(format, *lowest, *highest))) {
+            CAPTURE(p);
+            CAPTURE(channel);
+            FAIL("a stored number is outside its format's bound: ", x[i], " read back as ", back);
+          }
+        }
+      }
+  }
+  KvView host_view = view;
+  host_view.key_codes = host_view.value_codes = CodedRows{};
+  host_view.keys = host_keys.data(), host_view.values = host_values.data();
+  if (layout == Layout::kPaged) host_view.paged.blocks = table.data();
+  if (layout == Layout::kRingWithSinks) host_view.row_positions = slot_positions.data();
+  if (layout == Layout::kRotateAtRead) host_view.read_rope = rope.data();
+  std::vector<float> expected(out.size());
+  reference_attention(expected.data(), q.data(), pos, n, host_view, shape);
+  // Both sum the same decoded numbers in fp32 (the reference in double): 1e-5 covers the order of the sums
+  // over at most a hundred rows of weights <= 1 times values of size ~3; a wrong row, head or scale moves the
+  // output by ~0.1.
+  float worst = 0.0f;
+  for (std::size_t i = 0; i < out.size(); ++i) worst = std::max(worst, std::isfinite(out[i]) ? std::fabs(out[i] - expected[i]) : INFINITY);
+  CHECK(worst <= 1e-5f);
+}
+
+}  // namespace
+
+// Named "cuda kernels ..." so that CTest's random-thread-order run of the harness repeats it (tests/CMakeLists.txt).
+TEST_CASE("cuda kernels and the CPU: attention over a coded view equals the reference over the decoded rows") {
+  for_each_backend(test_backend_names(), [](Backend& b) {
+    for (KvFormat format : kCoded)
+      for (Layout layout : {Layout::kContiguous, Layout::kPaged, Layout::kRingWithSinks, Layout::kRotateAtRead})
+        // head_dim 32: the CPU's packet sweeps for a decode step; 24: its general path; int4 groups of 8 cross
+        // each head 3 or 4 times. 70 rows: past two of the CPU's 32-row decoded tiles and its 8-row unroll.
+        for (int head_dim : {32, 24}) {
+          const AttentionShape shape{4, 2, head_dim};
+          check_coded_attention(b, format, layout, shape, 8, 70, 69, 1);    // a decode step
+          check_coded_attention(b, format, layout, shape, 8, 70, 30, 40);   // prefill, several query blocks of the GPU
+          if (layout == Layout::kContiguous) check_coded_attention(b, format, layout, shape, head_dim, 70, 69, 1);  // int4 group = head
+        }
+  });
+}
