@@ -16,7 +16,7 @@ double next_token_nats(const float* logits, int vocab, int target) {
 }
 
 Perplexity evaluate_perplexity(Model& model, std::span<const int> tokens, int context,
-                               const std::function<void(int, int)>& on_chunk) {
+                               const std::function<void(int, int)>& on_chunk, KvCache* cache) {
   if (tokens.size() > std::size_t(INT32_MAX)) throw std::invalid_argument("the text is larger than 2 GiB");
   const int n = static_cast<int>(tokens.size());
   if (n < 2) throw std::invalid_argument("the text must hold at least 2 bytes to evaluate");
@@ -33,7 +33,7 @@ Perplexity evaluate_perplexity(Model& model, std::span<const int> tokens, int co
   Perplexity result;
   for (int start = 0; start < n - 1; start += context) {
     const int len = std::min(context, n - 1 - start);  // inputs; targets are the next `len` tokens
-    const auto logits = model.forward(tokens.subspan(start, len), 0, nullptr, Logits::kAllPositions);
+    const auto logits = model.forward(tokens.subspan(start, len), 0, cache, Logits::kAllPositions);
     for (int i = 0; i < len; ++i)
       nats += next_token_nats(logits.data() + std::size_t(i) * vocab, vocab, tokens[start + i + 1]);
     result.predicted += len;

@@ -24,8 +24,12 @@ struct Perplexity {
 double next_token_nats(const float* logits, int vocab, int target);
 
 // on_chunk(done, total) is called after every chunk (for progress). Throws std::invalid_argument when the
-// text has fewer than 2 tokens or the context exceeds what the model was set up for.
+// text has fewer than 2 tokens or the context exceeds what the model was set up for. `cache`: where each chunk's
+// keys and values go before attention reads them (null: nowhere, the call's own - exact); it is rewound to
+// position 0 for every chunk, so it must hold `context` positions and allow that (chapter 03's and 10's caches).
+// With a cache that stores its rows approximately (chapter 10), this is what a teacher-forced decode through it
+// scores: each position reads every earlier one, and its own, from the cache.
 Perplexity evaluate_perplexity(Model& model, std::span<const int> tokens, int context,
-                               const std::function<void(int done, int total)>& on_chunk = {});
+                               const std::function<void(int done, int total)>& on_chunk = {}, KvCache* cache = nullptr);
 
 }  // namespace kvs
