@@ -200,7 +200,7 @@ void quality(const Lab& lab, const std::vector<int>& contexts, int text_bytes, C
 
 void recall(const Lab& lab, const std::vector<int>& distances, CsvWriter& csv) {
   Runtime& rt = lab.rt;
-  constexpr int kPassage = 96, kCue = 32, kPassages = 8;
+  constexpr int kPassage = 96, kCue = 32, kPassages = 16;
   const int vocab = rt.model.config().vocab_size;
   std::fprintf(
       stderr,

@@ -109,7 +109,7 @@ int channels(const kvs::CommonOptions& options, int text_bytes, int offset, int 
 int main(int argc, char** argv) {
   kvs::CommonOptions options;
   options.max_new_tokens = 120;
-  std::string experiment = "compare", formats_flag = "fp16,bf16,int8,int4", contexts_flag, distances_flag = "256,1024,2000",
+  std::string experiment = "compare", formats_flag = "fp16,bf16,int8,int4", contexts_flag, distances_flag = "256,1024,1900",
               errors_csv;
   int text_bytes = 2048, group = 32, offset = 0, steps = 200;
   std::int64_t budget = std::int64_t{512} << 10;
@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
                     &contexts_flag);
   parser.add_int("--text-bytes", "quality, channels: bytes of held-out text (default: quality 65536, channels 2048)", &text_bytes, 2,
                  1 << 24);
-  parser.add_string("--distances", "LIST", "recall: bytes between a passage and its repeat (default 256,1024,2000)", &distances_flag);
+  parser.add_string("--distances", "LIST", "recall: bytes between a passage and its repeat (default 256,1024,1900)", &distances_flag);
   parser.add_int("--steps", "speed: decode steps timed per format and context (default 200)", &steps, 1, 1000000);
   parser.add_int("--offset", "channels: where in the held-out text to start (default 0)", &offset, 0, 1 << 30);
   parser.add_string("--errors-csv", "PATH", "channels: write the relative errors here (layer, kind, format, group, relative_error)",
@@ -162,7 +162,7 @@ int main(int argc, char** argv) {
     // The longest call: a compare run's prompt, a quality chunk, a recall text (a prefill chunk of 256 for speed).
     const int longest_context = *std::max_element(contexts.begin(), contexts.end());
     const int longest_distance = *std::max_element(distances.begin(), distances.end());
-    const int longest = experiment == "quality" ? longest_context : experiment == "recall" ? longest_distance + 97 : 0;
+    const int longest = experiment == "quality" ? longest_context : experiment == "recall" ? longest_distance + 96 : 0;
     kvs::Runtime rt(options, kDefaultPrompt, experiment == "compare" ? kvs::PromptFit::kMustFit : kvs::PromptFit::kCutByCaller,
                     is_speed ? 256 : experiment == "memory" ? 1 : longest, -1);
     const kvs::ModelConfig& c = rt.model.config();
