@@ -168,10 +168,10 @@ TEST_CASE("kv formats on cached rows: per-channel int4 groups beat per-token one
   CHECK(kvs::ch10::relative_error(odd, odd.keys, 0, 8, Grouping::kInt4PerChannel, 4) < 0.1);
 }
 
-TEST_CASE("chapter 10 (in progress): the channels experiment prints both tables, writes its CSVs, refuses a bad group") {
+TEST_CASE("chapter 10: the channels experiment prints both tables, writes its CSVs, refuses a bad group") {
   const std::string bin = std::string(KVS_BIN_DIR) + "/10_quantized_cache";
   kvs::test::TempDir dir;
-  const auto r = kvs::test::run_command(bin + " --text-bytes 300 --csv " + dir.file("channels.csv") + " --errors-csv " +
+  const auto r = kvs::test::run_command(bin + " --experiment channels --text-bytes 300 --csv " + dir.file("channels.csv") + " --errors-csv " +
                                         dir.file("errors.csv"));
   CHECK(r.exit_code == 0);
   CHECK(r.err.find("300 positions of held-out text cached") != std::string::npos);
@@ -182,7 +182,8 @@ TEST_CASE("chapter 10 (in progress): the channels experiment prints both tables,
   for (std::string line; std::getline(errors, line);) ++error_lines;
   CHECK(channel_lines == 1 + 5 * 2 * 64);  // header, then layers x (key, value) x kv_dim
   CHECK(error_lines == 1 + 5 * 2 * 5);     // header, then layers x (key, value) x formats
-  for (const std::string flags : {"--group 12", "--group 3", "--text-bytes 4096", "--experiment speed"}) {
+  for (const std::string flags : {"--group 12", "--group 3", "--experiment channels --text-bytes 4096", "--experiment bogus",
+                                  "--formats int3", "--experiment recall --distances 2000", "--experiment speed --contexts 2048"}) {
     CAPTURE(flags);
     const auto bad = kvs::test::run_command(bin + " " + flags);
     CHECK(bad.exit_code == 2);

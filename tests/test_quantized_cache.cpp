@@ -11,12 +11,14 @@
 #include <vector>
 
 #include "10_quantized_cache/quantized_kv_cache.h"
+#include "equivalence.h"
 #include "generate.h"
 #include "kv_format.h"
 #include "model.h"
 #include "reference_attention.h"
 #include "test_backends.h"
 #include "test_util.h"
+#include "tokenizer.h"
 
 using namespace kvs;
 using namespace kvs::test;
@@ -190,4 +192,75 @@ TEST_CASE("cuda kernels and the CPU: attention over a coded view equals the refe
           if (layout == Layout::kContiguous) check_coded_attention(b, format, layout, shape, head_dim, 70, 69, 1);  // int4 group = head
         }
   });
+}
+
+TEST_CASE("chapter 10: QuantizedKvCache allocates exactly the formula's bytes, scales included, and refuses what it cannot store") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const ModelConfig& c = checkpoint.config();
+  CpuBackend cpu(1);
+  for (KvFormat format : {KvFormat::kFp32, KvFormat::kFp16, KvFormat::kBf16, KvFormat::kInt8, KvFormat::kInt4})
+    for (int group : {8, 32}) {
+      CAPTURE(to_string(format));
+      CAPTURE(group);
+      ch10::QuantizedKvCache cache(cpu, c, 100, format, group);
+      CHECK(cache.allocated_bytes() == kv_bytes_per_position(format, c.n_kv_heads, c.head_dim(), group) * c.n_layers * 100);
+      CHECK(cache.allocated_bytes() == ch10::QuantizedKvCache::bytes(c, 100, format, group));
+    }
+  // The shipped model's 2 KV heads of 32: int4 with groups of 32 is 32 code bytes and 2 groups' scale and minimum
+  // (16 bytes) per row of 64 numbers, twice (K and V), 5 layers.
+  CHECK(ch10::QuantizedKvCache(cpu, c, 1, KvFormat::kInt4, 32).allocated_bytes() == 5 * 2 * (32 + 16));
+  CHECK_THROWS_AS(ch10::QuantizedKvCache(cpu, c, 10, KvFormat::kInt4, 12), std::invalid_argument);
+  ch10::QuantizedKvCache coded(cpu, c, 10, KvFormat::kInt8, 32);
+  coded.prepare(0, 4);
+  CHECK_THROWS_AS(coded.row(0, 2), std::out_of_range);  // its rows are codes, not floats to overwrite
+}
+
+// What the chapter claims: a 16-bit or int8 cache leaves this model's greedy text unchanged; int4 does not always.
+TEST_CASE("chapter 10: fp16, bf16 and int8 caches keep fp32's greedy tokens on three prompts; int4's first divergence is reported") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  CpuBackend cpu(test_threads());
+  const int new_tokens = sanitizer_run() ? 40 : 120;
+  for (const char* text : {"And God said, Let there be light: and there was light. And God saw the light, ",
+                           "In the beginning was the Word, and the Word was with God, ",
+                           "Blessed are the poor in spirit: for theirs is the kingdom of heaven. "}) {
+    CAPTURE(text);
+    const std::vector<int> prompt = encode_bytes(text);
+    const int positions = static_cast<int>(prompt.size()) + new_tokens;
+    Model model(checkpoint, cpu, positions, positions);
+    auto run = [&](KvFormat format) {
+      return record([&](const OnLogits& on_logits) {
+        ch10::QuantizedKvCache cache(cpu, checkpoint.config(), positions, format, 32);
+        Sampler greedy(256, {});
+        return generate_cached(model, cache, greedy, prompt, new_tokens, 0, {}, on_logits);
+      });
+    };
+    const RecordedRun fp32 = run(KvFormat::kFp32);
+    // Compared over every step, not up to the first near-tie as check_equivalence does: the claim is that the
+    // text stays the same. First step whose token differs (-1: none), and the largest logit difference before it.
+    auto compare = [&](const RecordedRun& other) {
+      int first_mismatch = -1;
+      float worst = 0.0f;
+      for (int step = 0; step < new_tokens && first_mismatch < 0; ++step) {
+        for (std::size_t v = 0; v < fp32.logits[step].size(); ++v)
+          worst = std::max(worst, std::fabs(fp32.logits[step][v] - other.logits[step][v]));
+        if (other.tokens[prompt.size() + step] != fp32.tokens[prompt.size() + step]) first_mismatch = step;
+      }
+      return std::pair{first_mismatch, worst};
+    };
+    // The logit tolerance per format: the worst measured on these prompts (0.008 fp16, 0.047 bf16, 0.13 int8 on
+    // logits of magnitude ~10: the formats' relative errors, 2^-11, 2^-8 and ~1/254 of a head's largest number,
+    // carried through 5 layers) times three; int4's rounding moves them by 0.6-1.3, and so would a wrong scale.
+    const std::pair<KvFormat, float> kept[] = {{KvFormat::kFp16, 0.025f}, {KvFormat::kBf16, 0.15f}, {KvFormat::kInt8, 0.4f}};
+    for (auto [format, tolerance] : kept) {
+      CAPTURE(std::string(to_string(format)));
+      const auto [first_mismatch, worst] = compare(run(format));
+      MESSAGE(std::string(to_string(format)) << ": " << new_tokens << " steps, worst logit difference " << worst);
+      CHECK(first_mismatch == -1);
+      CHECK(worst <= tolerance);
+    }
+    const auto [int4_mismatch, int4_worst] = compare(run(KvFormat::kInt4));
+    MESSAGE("int4, groups of 32: first token that differs from fp32's: "
+            << (int4_mismatch < 0 ? std::string("none") : "step " + std::to_string(int4_mismatch))
+            << ", worst logit difference up to it " << int4_worst);
+  }
 }

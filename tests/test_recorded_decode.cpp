@@ -17,6 +17,7 @@
 #include "cpu_backend.h"
 #include "equivalence.h"
 #include "generate.h"
+#include "10_quantized_cache/quantized_kv_cache.h"
 #include "test_backends.h"
 #include "tokenizer.h"
 
@@ -50,11 +51,15 @@ TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on
     // Chapter 03's cache, and chapter 04's ring in both position variants: a window of 16 with 4 sinks,
     // which the text wraps many times (prefill in chunks of 8: the ring holds 16 + 8 - 1 slots).
     const Window window{16, 4};
-    for (const char* kind : {"preallocated", "ring, absolute positions", "ring, within-window positions"}) {
+    for (const char* kind : {"preallocated", "ring, absolute positions", "ring, within-window positions", "int8 (chapter 10)",
+                             "int4 (chapter 10)"}) {
       CAPTURE(kind);
       auto make_cache = [&]() -> std::unique_ptr<KvCache> {
         const std::string k = kind;
         if (k == "preallocated") return std::make_unique<ch03::PreallocatedKvCache>(backend, checkpoint.config(), positions);
+        if (k == "int8 (chapter 10)" || k == "int4 (chapter 10)")
+          return std::make_unique<ch10::QuantizedKvCache>(backend, checkpoint.config(), positions,
+                                                          k[3] == '8' ? KvFormat::kInt8 : KvFormat::kInt4, 16);
         return std::make_unique<ch04::SlidingWindowKvCache>(
             backend, checkpoint.config(), window, 8,
             k == "ring, absolute positions" ? ch04::KeyPositions::kAbsolute : ch04::KeyPositions::kWithinWindow);

@@ -7,6 +7,7 @@
 #include <span>
 
 #include "cli.h"
+#include "equivalence.h"
 #include "generate.h"
 #include "perplexity.h"
 #include "progress.h"
@@ -25,23 +26,6 @@ std::unique_ptr<QuantizedKvCache> make_cache(const Lab& lab, KvFormat format, in
 // The name a table and a CSV give a format: int4 with its group.
 std::string format_name(const Lab& lab, KvFormat f) {
   return f == KvFormat::kInt4 ? "int4/g" + std::to_string(lab.group) : to_string(f);
-}
-
-// KL(p || q) in nats between the softmaxes of two rows of logits.
-double kl_divergence(std::span<const float> p_logits, std::span<const float> q_logits) {
-  auto log_softmax = [](std::span<const float> logits, std::vector<double>& out) {
-    const double largest = *std::max_element(logits.begin(), logits.end());
-    double sum = 0;
-    for (float x : logits) sum += std::exp(x - largest);
-    out.resize(logits.size());
-    for (std::size_t i = 0; i < logits.size(); ++i) out[i] = logits[i] - largest - std::log(sum);
-  };
-  std::vector<double> log_p, log_q;
-  log_softmax(p_logits, log_p);
-  log_softmax(q_logits, log_q);
-  double kl = 0;
-  for (std::size_t i = 0; i < log_p.size(); ++i) kl += std::exp(log_p[i]) * (log_p[i] - log_q[i]);
-  return std::max(kl, 0.0);  // rounding may leave -1e-17 for identical rows
 }
 
 int argmax(std::span<const float> logits) {
@@ -86,7 +70,7 @@ void compare(const Lab& lab, int new_tokens, CsvWriter& csv) {
         rt.model, *cache, forced_sampler, rt.prompt, new_tokens, 0, {},
         [&](int step, std::span<const float> logits) {
           const std::span<const float> ref(reference_logits.data() + std::size_t(step) * vocab, vocab);
-          const double kl = kl_divergence(ref, logits);
+          const double kl = logit_divergence(ref, logits).kl;
           const bool same_top = argmax(logits) == reference_tokens[step];
           kl_sum += kl, kl_max = std::max(kl_max, kl);
           if (!same_top && first_top_differs < 0) first_top_differs = step;
