@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -215,8 +216,8 @@ TEST_CASE("chapter 10: QuantizedKvCache allocates exactly the formula's bytes, s
   CHECK_THROWS_AS(coded.row(0, 2), std::out_of_range);  // its rows are codes, not floats to overwrite
 }
 
-// What the chapter claims: a 16-bit or int8 cache leaves this model's greedy text unchanged; int4 does not always.
-TEST_CASE("chapter 10: fp16, bf16 and int8 caches keep fp32's greedy tokens on three prompts; int4's first divergence is reported") {
+// What the chapter claims: a 16-bit cache leaves this model's greedy text unchanged, int8 nearly; int4 does not.
+TEST_CASE("chapter 10: fp16 and bf16 caches keep fp32's greedy tokens on three prompts, int8 all but at a near-tie; int4's divergence reported") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   CpuBackend cpu(test_threads());
   const int new_tokens = sanitizer_run() ? 40 : 120;
@@ -254,9 +255,17 @@ TEST_CASE("chapter 10: fp16, bf16 and int8 caches keep fp32's greedy tokens on t
     for (auto [format, tolerance] : kept) {
       CAPTURE(std::string(to_string(format)));
       const auto [first_mismatch, worst] = compare(run(format));
-      MESSAGE(std::string(to_string(format)) << ": " << new_tokens << " steps, worst logit difference " << worst);
-      CHECK(first_mismatch == -1);
+      MESSAGE(std::string(to_string(format)) << ": first token that differs: " << first_mismatch << " (-1: none in " << new_tokens
+                                             << "), worst logit difference up to it " << worst);
       CHECK(worst <= tolerance);
+      if (first_mismatch < 0) continue;
+      // fp16 and bf16 keep every token. int8 may pick the other of two tokens whose fp32 logits are closer than its
+      // tolerance (a near-tie: the third prompt's step 8, gap 0.014): explained, and only there.
+      std::vector<float> top = fp32.logits[first_mismatch];
+      std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<>());
+      MESSAGE("fp32's two best logits at that step differ by " << top[0] - top[1]);
+      CHECK(format == KvFormat::kInt8);
+      CHECK(top[0] - top[1] <= tolerance);
     }
     const auto [int4_mismatch, int4_worst] = compare(run(KvFormat::kInt4));
     MESSAGE("int4, groups of 32: first token that differs from fp32's: "
