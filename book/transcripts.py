@@ -103,6 +103,15 @@ def shrink(command):
             command += " --counts 1,2"
         if "--experiment mixed" in command:
             command += " --requests 8"
+    if "10_quantized_cache" in command:
+        if "--experiment quality" in command:
+            command += " --text-bytes 4096"
+        if "--experiment speed" in command:
+            command += " --contexts 64 --steps 5"
+        if "--experiment recall" in command:
+            command += " --distances 200"
+        if "--experiment channels" in command:
+            command += " --text-bytes 256"
     if "kvs_tests" in command:
         command += " --list-test-cases"
     return command

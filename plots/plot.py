@@ -14,6 +14,8 @@ chapter 08: batch_throughput.png (decode tokens/s per batch size, 1 and 2 thread
 (reserved vs live K/V per block size and for a max-length reservation, with the largest batch each fit);
 chapter 09: prefix_sharing.png (N requests with one long document: K/V held at the peak and time to first token,
 with and without sharing) and sampling_memory.png (N samples of one prompt: K/V held, shared vs separate);
+chapter 10: kv_channels.png (each layer's cached keys and values, mean |x| per channel) and quantized_quality.png
+(held-out bits per byte against bytes per cached position, per format, at contexts 512 and 2048);
 decode_breakdown.png (where a decode step's time goes vs context, stacked, and the time reading the same bytes
 at the measured bandwidth would take).
 Chapter 04 on the copying model (data/kjv-gpt-copy.bin; drawn when its CSVs exist): copy_recall_vs_window.png
@@ -375,7 +377,42 @@ def sharing_figures():
            "Parallel sampling: the prompt's blocks held once", "sampling_memory.png", log=False)
 
 
+def quantized_figures():
+    """Chapter 10: the cached keys and values channel by channel; bits per byte against bytes per position."""
+    rows = read("kv_channels.csv")
+    layers = sorted({int(r["layer"]) for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    for ax, kind in zip(axes, ("key", "value")):
+        for layer in layers:
+            points = [(int(r["channel"]), float(r["mean_abs"])) for r in rows if r["kind"] == kind and int(r["layer"]) == layer]
+            ax.plot(*zip(*sorted(points)), lw=1, label=f"layer {layer}")
+        ax.set_xlabel(f"channel of the cached {kind}s (2 heads of 32)")
+        ax.set_title(f"{kind}s")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("mean |x| over 2,048 positions")
+    finish(fig, axes[1], f"channel of the cached values (2 heads of 32)", "mean |x| over 2,048 positions",
+           "Keys have outlier channels, values hardly", "kv_channels.png", log=False)
+
+    points = {}
+    for name in ("quantized_quality.csv", "quantized_quality_g8.csv", "quantized_quality_g16.csv"):
+        if (DATA / name).exists():
+            for r in read(name):
+                points[(r["format"], int(r["context"]))] = (int(r["bytes_per_position"]), float(r["bits_per_byte"]))
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for context, marker in ((512, "o"), (2048, "s")):
+        chosen = sorted((v[0], v[1], f) for (f, c), v in points.items() if c == context)
+        ax.plot([x for x, _, _ in chosen], [y for _, y, _ in chosen], marker=marker, ls="none", label=f"context {context}")
+        labels = defaultdict(list)  # formats at the same point (fp16 and bf16) share one label
+        for x, y, f in chosen:
+            labels[(x, round(y, 3))].append(f)
+        for (x, y), names in labels.items():
+            ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(4, 4), fontsize="x-small")
+    finish(fig, ax, "bytes per cached position (5 layers, K and V, scales included)", "held-out bits per byte",
+           "What each format saves and what it costs", "quantized_quality.png", log=False)
+
+
 if __name__ == "__main__":
     main()
     batching_figures()
     sharing_figures()
+    quantized_figures()

@@ -49,4 +49,12 @@ done
 ch09=build/release/bin/09_prefix_sharing
 "$ch09" --experiment prefix --csv plots/data/prefix_sharing.csv "$@"
 "$ch09" --experiment sampling --csv plots/data/sampling_memory.csv "$@"
+# Chapter 10: the cache in 16, 8 and 4 bits.
+ch10=build/release/bin/10_quantized_cache
+"$ch10" --experiment channels --csv plots/data/kv_channels.csv --errors-csv plots/data/kv_channel_errors.csv "$@"
+"$ch10" --experiment quality --csv plots/data/quantized_quality.csv "$@"
+for group in 8 16; do
+  "$ch10" --experiment quality --formats int4 --group "$group" --csv "plots/data/quantized_quality_g${group}.csv" "$@"
+done
+"$ch10" --experiment speed --csv plots/data/quantized_speed.csv "$@"
 /usr/bin/python3 plots/plot.py  # Debian's interpreter, which has python3-matplotlib

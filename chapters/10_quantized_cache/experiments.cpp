@@ -171,7 +171,9 @@ void quality(const Lab& lab, const std::vector<int>& contexts, int text_bytes, C
                     cache.get())
                     .bits_per_byte;
       if (format == KvFormat::kFp32) fp32[i] = bits[i];
-      csv.row(format_name(lab, format), contexts[i], text_bytes, bits[i], bits[i] - fp32[i]);
+      csv.row(format_name(lab, format), kv_bytes_per_position(format, rt.model.config().n_kv_heads, rt.model.config().head_dim(), lab.group) *
+                                            rt.model.config().n_layers,
+              contexts[i], text_bytes, bits[i], bits[i] - fp32[i]);
     }
     std::fprintf(stderr, "%-9s",
                  format_name(lab, format).c_str());  // the row once its progress lines are done

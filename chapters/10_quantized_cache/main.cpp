@@ -189,7 +189,7 @@ int main(int argc, char** argv) {
     const kvs::ch10::Lab lab{rt, formats, group, held_out};
     const char* header = experiment == "compare"   ? "format,step,kl_nats,same_top_token"
                          : experiment == "memory"  ? "format,bytes_per_position,allocated_bytes,positions,formula_bytes_per_position,budget_bytes,positions_in_budget,llama3_8b_bytes_per_position"
-                         : experiment == "quality" ? "format,context,text_bytes,bits_per_byte,vs_fp32"
+                         : experiment == "quality" ? "format,bytes_per_position,context,text_bytes,bits_per_byte,vs_fp32"
                          : experiment == "recall"  ? "format,distance,exact_recall,passages"
                                                    : "format,context,steps,step_p50_ms,step_p99_ms,attention_p50_ms,attention_p99_ms,kv_bytes_read";
     kvs::CsvWriter csv({"--csv", options.csv}, header, rt.inputs());
