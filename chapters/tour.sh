@@ -43,4 +43,8 @@ banner "Chapter 09: requests that share a prefix share its cache - parallel samp
 "$bin/09_prefix_sharing" --samples 4
 "$bin/09_prefix_sharing" --experiment prefix --counts 1,8,64
 "$bin/09_prefix_sharing" --experiment break
+banner "Chapter 10: a smaller cache - K and V in 16, 8 and 4 bits (the text, bytes per position, what keys and values hold)"
+"$bin/10_quantized_cache" --max-new-tokens 80
+"$bin/10_quantized_cache" --experiment memory
+"$bin/10_quantized_cache" --experiment channels --text-bytes 1024
 banner "Done. Read book/README.md; every binary takes --help. Speed sweep and plots: bash plots/regenerate.sh"

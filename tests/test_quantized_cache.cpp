@@ -217,7 +217,7 @@ TEST_CASE("chapter 10: QuantizedKvCache allocates exactly the formula's bytes, s
 }
 
 // What the chapter claims: a 16-bit cache leaves this model's greedy text unchanged, int8 nearly; int4 does not.
-TEST_CASE("chapter 10: fp16 and bf16 caches keep fp32's greedy tokens on three prompts, int8 all but at a near-tie; int4's divergence reported") {
+TEST_CASE("chapter 10: fp16 and bf16 caches keep fp32's greedy tokens on three prompts, int8 all but at a near-tie, int4's divergence reported") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   CpuBackend cpu(test_threads());
   const int new_tokens = sanitizer_run() ? 40 : 120;

@@ -230,7 +230,7 @@ void speed(const Lab& lab, const std::vector<int>& contexts, int steps, CsvWrite
   std::fprintf(
       stderr,
       "a decode step at `context` cached positions, %d steps each (p50 / p99, ms); attention alone: every "
-      "layer's attention over the cache for one query, timed apart, and the bytes of K/V it reads per ms\n\n",
+      "layer's attention over the cache for one query, timed apart, and the rate it reads the cache's bytes at (GB/s)\n\n",
       steps);
   std::fprintf(stderr, "%-9s %8s | %9s %9s | %9s %9s %12s\n", "format", "context", "step p50", "p99",
                "attn p50", "p99", "K/V GB/s");
