@@ -12,6 +12,7 @@
 #include "perplexity.h"
 #include "progress.h"
 #include "quantized_kv_cache.h"
+#include "sampler.h"
 #include "timing.h"
 #include "tokenizer.h"
 
@@ -26,10 +27,6 @@ std::unique_ptr<QuantizedKvCache> make_cache(const Lab& lab, KvFormat format, in
 // The name a table and a CSV give a format: int4 with its group.
 std::string format_name(const Lab& lab, KvFormat f) {
   return f == KvFormat::kInt4 ? "int4/g" + std::to_string(lab.group) : to_string(f);
-}
-
-int argmax(std::span<const float> logits) {
-  return static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
 }
 
 std::size_t line_start(const std::string& text, std::size_t offset) {

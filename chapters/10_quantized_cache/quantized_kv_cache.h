@@ -96,10 +96,12 @@ class QuantizedKvCache final : public KvCache {
       throw std::invalid_argument("QuantizedKvCache: " + why);
     return coded_rows_layout(format, config.n_kv_heads, config.head_dim(), int4_group);
   }
-  // Floats of one (layer, side) block: the codes, rounded up to whole floats, then the scales.
+  // Floats of one (layer, side) block's codes, rounded up to whole floats; the block: those, then the scales.
+  static std::size_t code_floats(const CodedRows& layout, int max_positions) {
+    return (std::size_t(max_positions) * layout.code_bytes() + sizeof(float) - 1) / sizeof(float);
+  }
   static std::size_t block_floats(const CodedRows& layout, int max_positions) {
-    const std::size_t code_bytes = std::size_t(max_positions) * layout.code_bytes();
-    return (code_bytes + sizeof(float) - 1) / sizeof(float) + std::size_t(max_positions) * layout.scales_per_row();
+    return code_floats(layout, max_positions) + std::size_t(max_positions) * layout.scales_per_row();
   }
   float* floats(int layer, int kv) const {
     return const_cast<float*>(storage_.data()) + (std::size_t(layer) * 2 + kv) * block_floats_;
@@ -109,7 +111,7 @@ class QuantizedKvCache final : public KvCache {
     CodedRows rows = layout_;
     float* block = floats(layer, kv);
     rows.codes = reinterpret_cast<std::uint8_t*>(block);
-    rows.scales = block + (std::size_t(max_positions_) * layout_.code_bytes() + sizeof(float) - 1) / sizeof(float);
+    rows.scales = block + code_floats(layout_, max_positions_);
     return rows;
   }
 
