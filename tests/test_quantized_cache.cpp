@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "08_paged_batching/paged_kv_cache.h"
+#include "08_paged_batching/scheduler.h"
 #include "10_quantized_cache/quantized_kv_cache.h"
 #include "equivalence.h"
 #include "generate.h"
@@ -272,4 +274,83 @@ TEST_CASE("chapter 10: fp16 and bf16 caches keep fp32's greedy tokens on three p
             << (int4_mismatch < 0 ? std::string("none") : "step " + std::to_string(int4_mismatch))
             << ", worst logit difference up to it " << int4_worst);
   }
+}
+
+// Chapter 08's pool storing chapter 10's formats: each row is coded on its own, so a paged sequence stores the
+// very numbers QuantizedKvCache stores, given the same k and v. Its logits differ only by float summation order
+// (the CPU sums a paged view a block at a time): ~1e-5 in fp32, but a later layer's k or v that lands on the other
+// side of a rounding boundary is stored one code apart, which moves the logits by up to 1.3e-3 (measured: fp16
+// 6e-4, int8 1.3e-3, int4 1.3e-5; the CUDA kernels sum alike, 0). Tolerance 1e-2: eight times that, and far
+// below what a wrong block or row does (O(1)).
+TEST_CASE("chapter 10 in chapter 08's pool: a coded paged sequence gives QuantizedKvCache's logits, the scheduler its tokens alone") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const ModelConfig& c = checkpoint.config();
+  const std::string text = validation_text();
+  const std::vector<int> tokens = encode_bytes(text.substr(300, 45)), other = encode_bytes(text.substr(4000, 30));
+  for_each_backend(test_backend_names(), [&](Backend& backend) {
+    Model model(checkpoint, backend, 64, 128);
+    for (KvFormat format : {KvFormat::kFp32, KvFormat::kFp16, KvFormat::kInt8, KvFormat::kInt4}) {
+      CAPTURE(std::string(to_string(format)));
+      ch08::BlockPool pool(backend, c, 14, 5, 2, 100, ch08::PoolFormat{format, 16});
+      CHECK(pool.allocated_bytes() == kv_bytes_per_position(format, c.n_kv_heads, c.head_dim(), 16) * c.n_layers * 14 * 5);
+      CHECK(pool.bytes_per_position() == kv_bytes_per_position(format, c.n_kv_heads, c.head_dim(), 16) * c.n_layers);
+      ch08::PagedSequence paged(pool), neighbour(pool);
+      ch10::QuantizedKvCache contiguous(backend, c, 100, format, 16);
+      float worst = 0;
+      auto compare = [&](std::span<const float> a, std::span<const float> b) {
+        REQUIRE(a.size() == b.size());
+        for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
+      };
+      auto logits = [&](KvCache& cache, int first, int n) {
+        const std::span<const float> got = model.forward(std::span(tokens).subspan(first, n), first, &cache, Logits::kAllPositions);
+        return std::vector<float>(got.begin(), got.end());
+      };
+      // Prefill in two calls with the neighbour's blocks taken in between, so the sequence's blocks are not in
+      // order; then decode steps.
+      compare(logits(paged, 0, 12), logits(contiguous, 0, 12));
+      // The first layer's k and v do not depend on attention yet: the pool stores exactly the contiguous cache's numbers.
+      if (backend.host_memory())
+        for (int p = 0; p < 12; ++p)
+          for (int ch = 0; ch < c.kv_dim(); ++ch) {
+            CHECK(paged.view(0).key(p, ch) == contiguous.view(0).key(p, ch));
+            CHECK(paged.view(0).value(p, ch) == contiguous.view(0).value(p, ch));
+          }
+      model.forward(std::span(other).first(15), 0, &neighbour);
+      compare(logits(paged, 12, 30), logits(contiguous, 12, 30));
+      for (int pos = 42; pos < 45; ++pos) compare(logits(paged, pos, 1), logits(contiguous, pos, 1));
+      MESSAGE(to_string(format) << ": largest logit difference, paged pool vs contiguous cache: " << worst);
+      CHECK(worst < 1e-2f);
+      CHECK(paged.blocks() == std::vector<int>{0, 1, 2, 6, 7, 8, 9, 10, 11});  // the neighbour holds 3, 4 and 5
+      if (format != KvFormat::kFp32) CHECK_THROWS_WITH(paged.row(0, 3), doctest::Contains("codes, not floats"));
+      // copy_block (chapter 09's copy-on-write) copies the codes and the scales: the copy reads back the same rows.
+      if (backend.host_memory()) {
+        const int from = paged.blocks()[1], to = pool.take_block();
+        pool.copy_block(to, from);
+        const CodedRows keys = pool.side(c.n_layers - 1, 0);
+        for (int r = 0; r < 5; ++r)
+          for (int ch = 0; ch < c.kv_dim(); ++ch) CHECK(keys.decode(std::size_t(to) * 5 + r, ch) == keys.decode(std::size_t(from) * 5 + r, ch));
+        pool.give_back_block(to);
+      }
+    }
+  });
+  // The scheduler over an int4 pool just big enough to preempt: every request's tokens equal it alone in a pool of
+  // its own of the same format.
+  CpuBackend cpu(test_threads());
+  Model model(checkpoint, cpu, 64, c.seq_len);
+  std::vector<ch08::Request> requests;
+  for (int i = 0; i < 9; ++i)  // chapter 08's scheduler test's requests, in blocks of 4
+    requests.push_back(ch08::Request{encode_bytes(text.substr(1000 + 977 * i, 4 * (2 + i % 3) + i % 3)), 6 + 5 * (i % 4), 3 * i});
+  const ch08::PoolFormat int4{KvFormat::kInt4, 32};
+  int longest = 0;
+  for (const ch08::Request& r : requests) longest = std::max(longest, int(r.prompt.size()) + r.max_new_tokens);
+  ch08::BlockPool pool(cpu, c, blocks_needed(longest, 4) + 2, 4, 9, c.seq_len, int4);
+  std::vector<ch08::RequestResult> results;
+  const ch08::RunStats stats = ch08::serve(model, pool, requests, ch08::SchedulerOptions{.max_batch = 9, .token_budget = 32}, results);
+  CHECK(stats.preemptions > 0);
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    CAPTURE(i);
+    CHECK(results[i].output == ch08::serve_alone(model, requests[i], int4));
+  }
+  CHECK(pool.free_blocks() == pool.blocks());
+  CHECK_THROWS_WITH(ch08::BlockPool(cpu, c, 4, 4, 1, 16, ch08::PoolFormat{KvFormat::kInt4, 12}), doctest::Contains("must be even and divide"));
 }

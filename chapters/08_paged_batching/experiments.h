@@ -17,6 +17,7 @@ struct Setup {
   TraceShape shape;               // how a generated trace was drawn (throughput takes its lengths)
   int block_size = 16;
   std::int64_t kv_memory = 0;     // bytes of the block pool
+  PoolFormat format;              // how the pool stores its rows (--kv-format, chapter 10)
   SchedulerOptions options;
   std::vector<int> batch_sizes, block_sizes;
   std::string csv;

@@ -13,12 +13,13 @@
 
 int main(int argc, char** argv) {
   kvs::CommonOptions options;
-  std::string experiment = "serve", trace_file, batching = "continuous", prompt_lengths = "16,256",
+  std::string experiment = "serve", trace_file, batching = "continuous", kv_format = "fp32", prompt_lengths = "16,256",
               output_lengths = "16,128", batch_sizes = "1,2,4,8,16,32,64", block_sizes = "1,4,16,64,256";
   kvs::ch08::TraceShape shape;
   float mean_gap = 0;
   std::uint64_t seed = 1;
-  int block_size = 16, max_batch = 64, token_budget = 256;
+  int block_size = 16, max_batch = 64, token_budget = 256, int4_group = 32;
+  kvs::ch08::PoolFormat pool_format;
   std::int64_t kv_memory = std::int64_t{32} << 20;
   kvs::ArgParser parser(
       "08_paged_batching",
@@ -44,6 +45,9 @@ int main(int argc, char** argv) {
   parser.add_u64("--seed", "seed of the drawn requests (default 1)", &seed);
   parser.add_int("--block-size", "positions per block of the cache (default 16)", &block_size, 1, 1 << 16);
   parser.add_bytes("--kv-memory", "memory of the block pool, e.g. 64MiB (default 32MiB)", &kv_memory);
+  parser.add_string("--kv-format", "NAME", "how the pool stores K/V: fp32 (default), fp16, bf16, int8 or int4 (chapter 10)",
+                    &kv_format);
+  parser.add_int("--int4-group", "int4: channels per scale (default 32)", &int4_group, 2, 1 << 16);
   parser.add_string("--batching", "KIND", "continuous (default) or static", &batching);
   parser.add_int("--max-batch", "sequences in one step (default 64)", &max_batch, 1, 4096);
   parser.add_int("--token-budget", "tokens in one step, decode tokens and prompt chunks (default 256)", &token_budget, 1, 1 << 16);
@@ -54,6 +58,10 @@ int main(int argc, char** argv) {
     for (const char* name : {"serve", "throughput", "memory", "batching", "preemption", "break"})
       if (experiment == name) return std::string();
     return "--experiment " + experiment + " is not one of serve, throughput, memory, batching, preemption, break";
+  });
+  parser.add_check([&] {
+    if (kvs::parse_kv_format(kv_format, pool_format.format)) return std::string();
+    return "--kv-format " + kv_format + " is not one of fp32, fp16, bf16, int8, int4";
   });
   parser.add_check([&] {
     if (batching == "continuous" || batching == "static") return std::string();
@@ -101,7 +109,9 @@ int main(int argc, char** argv) {
       const std::string text = kvs::read_input_file("held-out text", kvs::find_data_file("kjv/valid.txt"), std::size_t{64} << 20);
       requests = kvs::ch08::generate_trace(text, shape);
     }
+    pool_format.int4_group = int4_group;
     kvs::ch08::Setup setup{.rt = rt, .requests = requests, .shape = shape, .block_size = block_size, .kv_memory = kv_memory,
+                           .format = pool_format,
                            .options = {.batching = batching == "static" ? kvs::ch08::Batching::kStatic
                                                                         : kvs::ch08::Batching::kContinuous,
                                        .max_batch = max_batch, .token_budget = token_budget},

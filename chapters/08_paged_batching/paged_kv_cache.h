@@ -13,6 +13,9 @@
 // Layout: [layer][K or V][physical row][kv_dim], rows = blocks · block_size: a block's rows are consecutive,
 // so attention reads a block as it reads chapter 03's buffer; the blocks of one sequence are anywhere.
 // Block tables live in backend memory too, one row of max_blocks_per_sequence entries per sequence slot.
+// A pool may store its rows coded (chapter 10's formats, common/kv_format.h): a side is then its rows' codes,
+// then their scales (CodedRows), each indexed by the same physical row - so a block table finds a coded row
+// exactly as it finds a float one, and the same budget holds more blocks.
 #include <cstdint>
 #include <span>
 #include <stdexcept>
@@ -23,6 +26,7 @@
 #include "block_table.h"
 #include "config.h"
 #include "kv_cache.h"
+#include "kv_format.h"
 
 namespace kvs::ch08 {
 
@@ -47,19 +51,29 @@ class BlockSource {
   virtual int writable_block(int block) { return block; }
 };
 
+// How a pool stores its rows: chapter 10's formats (common/kv_format.h); fp32 unless a run asks.
+struct PoolFormat {
+  KvFormat format = KvFormat::kFp32;
+  int int4_group = 32;  // int4: channels per scale
+};
+
 class BlockPool final : public BlockSource {
  public:
   // `blocks` blocks of `block_size` positions, for up to `max_sequences` sequences at once of up to
-  // `max_positions` positions each. Throws std::invalid_argument for sizes that make no pool.
+  // `max_positions` positions each, every row stored in `format`. Throws std::invalid_argument for sizes that
+  // make no pool.
   BlockPool(Backend& backend, const ModelConfig& config, int blocks, int block_size, int max_sequences,
-            int max_positions)
+            int max_positions, PoolFormat format = {})
       : backend_(backend),
+        format_(format),
+        layout_(checked_layout(config, format, check_positive("block size", block_size))),
         kv_dim_(config.kv_dim()),
         n_layers_(config.n_layers),
         blocks_(check_positive("blocks", blocks)),
-        block_size_(check_positive("block size", block_size)),
+        block_size_(block_size),
         table_width_(blocks_needed(check_positive("positions per sequence", max_positions), block_size)),
-        storage_(backend, std::size_t(config.n_layers) * 2 * blocks * block_size * config.kv_dim()),
+        side_floats_(std::size_t(blocks) * block_size * (layout_.code_bytes() + sizeof(float) * layout_.scales_per_row()) / sizeof(float)),
+        storage_(backend, std::size_t(config.n_layers) * 2 * side_floats_),
         tables_(backend, std::size_t(check_positive("sequences", max_sequences)) * table_width_) {
     for (int b = blocks - 1; b >= 0; --b) free_blocks_.push_back(b);  // taken from the back: block 0 first
     for (int s = max_sequences - 1; s >= 0; --s) free_tables_.push_back(s);
@@ -84,12 +98,17 @@ class BlockPool final : public BlockSource {
     throw std::logic_error("BlockPool: block " + std::to_string(block) + " would be held twice; this pool gives each "
                            "block to one sequence (sharing needs chapter 09's reference counts)");
   }
-  // Every layer's keys and values of block `from` into block `to` (copy-on-write's copy).
+  // Every layer's keys and values of block `from` into block `to` (copy-on-write's copy): codes and scales.
   void copy_block(int to, int from) {
-    const std::size_t floats = std::size_t(block_size_) * kv_dim_;
+    const std::size_t code_floats = std::size_t(block_size_) * layout_.code_bytes() / sizeof(float),
+                      scale_floats = std::size_t(block_size_) * layout_.scales_per_row();
     for (int layer = 0; layer < n_layers_; ++layer)
-      for (int kv = 0; kv < 2; ++kv)
-        backend_.copy(rows(layer, kv) + std::size_t(to) * floats, rows(layer, kv) + std::size_t(from) * floats, floats);
+      for (int kv = 0; kv < 2; ++kv) {
+        const CodedRows s = side(layer, kv);
+        float* codes = reinterpret_cast<float*>(s.codes);
+        backend_.copy(codes + to * code_floats, codes + from * code_floats, code_floats);
+        if (scale_floats > 0) backend_.copy(s.scales + to * scale_floats, s.scales + from * scale_floats, scale_floats);
+      }
   }
   // Chapter 08's break experiment, a classic allocator bug: the next block given back goes on the free list
   // twice, so two later requests are both handed it, each believing it is its own. Nothing else changes.
@@ -113,22 +132,57 @@ class BlockPool final : public BlockSource {
   int kv_dim() const { return kv_dim_; }
   int n_layers() const { return n_layers_; }
   Backend& backend() { return backend_; }
-  // A layer's keys (kv = 0) or values (kv = 1): (blocks · block_size, kv_dim) rows.
-  float* rows(int layer, int kv) { return storage_.data() + (std::size_t(layer) * 2 + kv) * blocks_ * block_size_ * kv_dim_; }
+  KvFormat format() const { return layout_.format; }
+  PoolFormat pool_format() const { return format_; }
+  // A layer's keys (kv = 0) or values (kv = 1) of an fp32 pool: (blocks · block_size, kv_dim) rows.
+  float* rows(int layer, int kv) const {
+    if (layout_.format != KvFormat::kFp32)
+      throw std::logic_error(std::string("BlockPool: its rows are ") + to_string(layout_.format) + " codes, not floats");
+    return side_start(layer, kv);
+  }
+  // A layer's keys (kv = 0) or values (kv = 1) as coded rows, whatever the format (fp32: float rows).
+  CodedRows side(int layer, int kv) const {
+    CodedRows s = layout_;
+    s.codes = reinterpret_cast<std::uint8_t*>(side_start(layer, kv));
+    s.scales = side_start(layer, kv) + std::size_t(blocks_) * block_size_ * layout_.code_bytes() / sizeof(float);
+    return s;
+  }
   // Row `table` of the block tables in backend memory: (table_width) physical block ids.
   int* table(int table) { return tables_.data() + std::size_t(table) * table_width_; }
-  // The keys and values of every block: 2 · layers · kv_heads · head_dim · blocks · block_size · 4 bytes.
+  // The keys and values of every block: 2 · layers · blocks · block_size · (what a row of one side costs in the
+  // format, scales included) - for fp32, 2 · layers · kv_heads · head_dim · blocks · block_size · 4 bytes.
   std::int64_t allocated_bytes() const { return std::int64_t(storage_.size()) * sizeof(float); }
-  std::int64_t bytes_per_position() const { return std::int64_t{2} * n_layers_ * kv_dim_ * sizeof(float); }
+  std::int64_t bytes_per_position() const { return std::int64_t{2} * n_layers_ * layout_.row_bytes(); }
+  // What one block of `block_size` positions costs in `format`: what a budget is divided by.
+  static std::int64_t block_bytes(const ModelConfig& config, int block_size, PoolFormat format = {}) {
+    return std::int64_t{2} * config.n_layers * block_size * checked_layout(config, format, block_size).row_bytes();
+  }
 
  private:
   static int check_positive(const char* what, int value) {
     if (value < 1) throw std::invalid_argument(std::string("BlockPool: ") + what + " must be at least 1, not " + std::to_string(value));
     return value;
   }
+  // The shape of a side's rows in `format`; a block's codes must be whole floats, so that copy_block copies floats.
+  static CodedRows checked_layout(const ModelConfig& config, PoolFormat f, int block_size) {
+    if (const std::string why = kv_format_shape_error(f.format, config.head_dim(), f.int4_group); !why.empty())
+      throw std::invalid_argument("BlockPool: " + why);
+    const CodedRows layout = coded_rows_layout(f.format, config.n_kv_heads, config.head_dim(), f.int4_group);
+    if (std::int64_t(block_size) * layout.code_bytes() % sizeof(float) != 0)
+      throw std::invalid_argument("BlockPool: a block of " + std::to_string(block_size) + " " + to_string(f.format) +
+                                  " rows is " + std::to_string(std::int64_t(block_size) * layout.code_bytes()) +
+                                  " bytes of codes, not whole floats; use a block size that is a multiple of 4");
+    return layout;
+  }
+  float* side_start(int layer, int kv) const {
+    return const_cast<float*>(storage_.data()) + (std::size_t(layer) * 2 + kv) * side_floats_;
+  }
   Backend& backend_;
+  PoolFormat format_;
+  CodedRows layout_;  // the format and shape of every side's rows; no memory
   int kv_dim_, n_layers_, blocks_, block_size_, table_width_;
-  Buffer storage_;                 // (layers, 2, blocks · block_size, kv_dim)
+  std::size_t side_floats_;        // one side of one layer: (blocks · block_size) rows of codes, then their scales
+  Buffer storage_;                 // (layers, 2, side_floats): fp32 (layers, 2, blocks · block_size, kv_dim)
   IntBuffer tables_;               // (max_sequences, table_width) block ids
   std::vector<int> free_blocks_;   // a stack: the block given back last is taken first
   std::vector<int> free_tables_;
@@ -206,19 +260,31 @@ class PagedSequence final : public KvCache {
   void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) override {
     check_write("PagedSequence", layer, pool_.n_layers(), pos, n, length_);
     const BlockTable table{pool_.table(table_), pool_.block_size()};
+    if (pool_.format() != KvFormat::kFp32) {  // quantize on write (chapter 10)
+      pool_.backend().write_paged_coded_rows(pool_.side(layer, 0), positions, table, k, n);
+      pool_.backend().write_paged_coded_rows(pool_.side(layer, 1), positions, table, v, n);
+      return;
+    }
     pool_.backend().write_paged_rows(pool_.rows(layer, 0), pool_.kv_dim(), positions, table, k, n, pool_.kv_dim());
     pool_.backend().write_paged_rows(pool_.rows(layer, 1), pool_.kv_dim(), positions, table, v, n, pool_.kv_dim());
   }
 
-  // Rows 0 .. length-1 = positions 0 .. length-1, through the block table.
+  // Rows 0 .. length-1 = positions 0 .. length-1, through the block table; coded sides in a coded pool.
   KvView view(int layer) const override {
-    return KvView{.keys = pool_.rows(layer, 0), .values = pool_.rows(layer, 1), .rows = length_,
-                  .row_stride = pool_.kv_dim(), .paged = BlockTable{pool_.table(table_), pool_.block_size()}};
+    KvView view{.rows = length_, .row_stride = pool_.kv_dim(), .paged = BlockTable{pool_.table(table_), pool_.block_size()}};
+    if (pool_.format() == KvFormat::kFp32)
+      view.keys = pool_.rows(layer, 0), view.values = pool_.rows(layer, 1);
+    else
+      view.key_codes = pool_.side(layer, 0), view.value_codes = pool_.side(layer, 1);
+    return view;
   }
   int length() const override { return length_; }
   KvRow row(int layer, int position) override {
     if (layer < 0 || layer >= pool_.n_layers() || position < 0 || position >= length_)
       throw row_error("PagedSequence", layer, position, "it holds positions 0.." + std::to_string(length_ - 1));
+    if (pool_.format() != KvFormat::kFp32)
+      throw row_error("PagedSequence", layer, position, std::string("its pool stores ") + to_string(pool_.format()) +
+                                                          " codes, not floats");
     const std::size_t at = std::size_t(BlockTable{blocks_.data(), pool_.block_size()}.physical_row(position)) * pool_.kv_dim();
     return {pool_.rows(layer, 0) + at, pool_.rows(layer, 1) + at};
   }
