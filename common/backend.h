@@ -127,6 +127,10 @@ class Backend {
   virtual void write_coded_rows(const CodedRows& rows, const int* positions, Ring ring, const float* src, int n) = 0;
   virtual void write_paged_coded_rows(const CodedRows& rows, const int* positions, BlockTable table, const float* src,
                                       int n) = 0;
+  // Per-channel quantize (chapter 10, KIVI's keys): token groups [first_group, first_group + groups) of `rows`
+  // (rows.token_group > 0), now complete, from src (groups · rows.token_group, rows.width) floats - each channel
+  // pair of each group by CodedRows::encode_channel_pair, the one definition.
+  virtual void encode_channel_groups(const CodedRows& rows, int first_group, int groups, const float* src) = 0;
   // gate (count) = silu(gate) ⊙ up
   virtual void swiglu(float* gate, const float* up, std::size_t count) = 0;
   // x (count) += y

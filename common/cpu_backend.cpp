@@ -513,6 +513,12 @@ void CpuBackend::write_paged_coded_rows(const CodedRows& rows, const int* positi
   encode_rows(rows, positions, table, src, n);
 }
 
+void CpuBackend::encode_channel_groups(const CodedRows& rows, int first_group, int groups, const float* src) {
+  for (int t = 0; t < groups; ++t)
+    for (int ch = 0; ch < rows.width; ch += 2)
+      rows.encode_channel_pair(first_group + t, ch, src + std::size_t(t) * rows.token_group * rows.width);
+}
+
 void CpuBackend::swiglu(float* gate, const float* up, std::size_t count) {
   // silu(g) * up, vectorised (Eigen's exp).
   Eigen::Map<Eigen::ArrayXf> g(gate, count);

@@ -51,6 +51,7 @@ class CpuBackend final : public Backend {
   void write_paged_rows(float* rows, int row_stride, const int* positions, BlockTable table, const float* src, int n,
                         int width) override;
   void write_coded_rows(const CodedRows& rows, const int* positions, Ring ring, const float* src, int n) override;
+  void encode_channel_groups(const CodedRows& rows, int first_group, int groups, const float* src) override;
   void write_paged_coded_rows(const CodedRows& rows, const int* positions, BlockTable table, const float* src,
                               int n) override;
   void swiglu(float* gate, const float* up, std::size_t count) override;

@@ -58,6 +58,12 @@ inline std::string kv_format_shape_error(KvFormat f, int head_dim, int group) {
            std::to_string(head_dim);
   return "";
 }
+// Why per-channel int4 (KIVI's keys) cannot code channels over `token_group` rows; empty when it can.
+inline std::string channel_group_error(int token_group) {
+  if (token_group < 2 || token_group > 256 || token_group % 2 != 0)
+    return "per-channel int4 over " + std::to_string(token_group) + " tokens: the group must be even, 2..256";
+  return "";
+}
 
 namespace kv_format_detail {
 KVS_HOST_DEVICE inline std::uint32_t bits_of(float f) {
@@ -175,12 +181,23 @@ KVS_HOST_DEVICE inline float dequantize_int4(const std::uint8_t* packed, int i, 
 // need not be a sequence's positions in order. Every row is coded on its own (per token): a number's scale
 // lies in its own row. Backend::write_coded_rows calls encode_group, attention calls decode / decode_run:
 // the one definition of the layout, on the CPU and in CUDA kernels.
+//
+// KIVI's per-channel keys (int4 only, token_group > 0): each channel is coded over `token_group` consecutive rows
+// instead of each row alone, since a few channels of the keys are large in every token (chapter 10 measures it):
+// row r's codes as above, but channel ch of token group t = r / token_group has its scale at
+// scales[t · 2 · width + ch] and its minimum at scales[t · 2 · width + width + ch]. A token group can be coded only
+// once all its rows are written (encode_channel_pair); until then its rows - from `coded_rows` on - are kept as
+// floats in open_rows (row coded_rows + i at open_rows + i · width), and read from there.
 struct CodedRows {
   KvFormat format = KvFormat::kFp32;  // kFp32 in a view: not coded (its float rows are read instead)
   std::uint8_t* codes = nullptr;      // (rows, code_bytes())
-  float* scales = nullptr;            // (rows, scales_per_row()): int8 a scale per head, int4 (scale, minimum) per group
+  float* scales = nullptr;            // (rows, scales_per_row()): int8 a scale per head, int4 (scale, minimum) per group;
+                                      // per-channel: (token groups, 2, width)
   int width = 0;                      // numbers a row: kv_dim
   int group = 1;                      // numbers that share a scale: int8 head_dim, int4 its group; 1 otherwise
+  int token_group = 0;                // > 0: per-channel int4 over this many rows (KIVI's keys); 0: each row alone
+  int coded_rows = 0;                 // per-channel: rows [0, coded_rows) are coded, later ones read from open_rows
+  const float* open_rows = nullptr;   // per-channel: (rows from coded_rows on, width) floats, not coded yet
 
   KVS_HOST_DEVICE int code_bytes() const {
     switch (format) {
@@ -194,10 +211,19 @@ struct CodedRows {
   }
   KVS_HOST_DEVICE int groups() const { return width / group; }
   KVS_HOST_DEVICE int scales_per_row() const {
+    if (token_group > 0) return 0;  // a token group's scales are shared by its rows: scale_floats
     return format == KvFormat::kInt8 ? groups() : format == KvFormat::kInt4 ? 2 * groups() : 0;
   }
-  // Bytes one row costs, scales included.
-  KVS_HOST_DEVICE std::int64_t row_bytes() const { return code_bytes() + std::int64_t{4} * scales_per_row(); }
+  // Floats of scales `rows` rows need.
+  KVS_HOST_DEVICE std::int64_t scale_floats(std::int64_t rows) const {
+    if (token_group > 0) return (rows + token_group - 1) / token_group * 2 * width;
+    return rows * scales_per_row();
+  }
+  // Bytes one row costs, scales included (per-channel: a token group's scales shared out over its rows).
+  KVS_HOST_DEVICE std::int64_t row_bytes() const {
+    if (token_group > 0) return code_bytes() + std::int64_t{4} * 2 * width / token_group;
+    return code_bytes() + std::int64_t{4} * scales_per_row();
+  }
 
   // Quantize on write: group g of a row (numbers [g · group, (g + 1) · group)), x its `group` floats, into row `row`.
   KVS_HOST_DEVICE void encode_group(std::size_t row, int g, const float* x) const {
@@ -221,9 +247,32 @@ struct CodedRows {
     }
   }
 
+  // Per-channel quantize, when token group t is complete: channels ch and ch + 1 (ch even: they share each row's
+  // byte) of its token_group rows, x the group's rows (token_group, width) floats.
+  KVS_HOST_DEVICE void encode_channel_pair(int t, int ch, const float* x) const {
+    float column[2][256];  // token_group <= 256 (kv_format_shape_error)
+    for (int half = 0; half < 2; ++half) {
+      for (int i = 0; i < token_group; ++i) column[half][i] = x[std::size_t(i) * width + ch + half];
+      std::uint8_t pairs[128];
+      const Int4Group q = quantize_int4(column[half], token_group, pairs);  // two rows' numbers a byte here
+      float* s = scales + std::size_t(t) * 2 * width;
+      s[ch + half] = q.scale, s[width + ch + half] = q.minimum;
+      for (int i = 0; i < token_group; ++i) {
+        std::uint8_t* byte = codes + (std::size_t(t) * token_group + i) * code_bytes() + ch / 2;
+        const std::uint8_t level = (pairs[i / 2] >> (4 * (i % 2))) & 0xf;
+        *byte = std::uint8_t((*byte & (0xf0 >> (4 * half))) | (level << (4 * half)));
+      }
+    }
+  }
+
   // Dequantize on read: number `channel` of row `row`.
   KVS_HOST_DEVICE float decode(std::size_t row, int channel) const {
     const std::uint8_t* c = codes + row * code_bytes();
+    if (token_group > 0) {
+      if (row >= std::size_t(coded_rows)) return open_rows[(row - coded_rows) * width + channel];
+      const float* s = scales + row / token_group * 2 * width;
+      return s[width + channel] + float((c[channel / 2] >> (4 * (channel % 2))) & 0xf) * s[channel];
+    }
     const float* s = scales + row * scales_per_row();
     switch (format) {
       case KvFormat::kFp32: return reinterpret_cast<const float*>(c)[channel];
@@ -241,6 +290,19 @@ struct CodedRows {
   // the run, so each loop is one the compiler can vectorise (the CPU's attention decodes a head at a time).
   KVS_HOST_DEVICE void decode_run(std::size_t row, int first, int count, float* __restrict__ out) const {
     const std::uint8_t* c = codes + row * code_bytes();
+    if (token_group > 0) {  // a scale and a minimum per channel
+      if (row >= std::size_t(coded_rows)) {
+        memcpy(out, open_rows + (row - coded_rows) * width + first, 4 * std::size_t(count));
+        return;
+      }
+      const float* __restrict__ scale = scales + row / token_group * 2 * width;
+      const float* __restrict__ minimum = scale + width;
+      for (int i = 0; i < count; ++i) {
+        const int ch = first + i;
+        out[i] = minimum[ch] + float((c[ch / 2] >> (4 * (ch % 2))) & 0xf) * scale[ch];
+      }
+      return;
+    }
     const float* s = scales + row * scales_per_row();
     switch (format) {
       case KvFormat::kFp32: memcpy(out, c + 4 * std::size_t(first), 4 * std::size_t(count)); return;

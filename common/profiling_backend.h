@@ -90,6 +90,9 @@ class ProfilingBackend final : public Backend {
                         int width) override {
     timed(OpKind::kOther, [&] { inner_.write_paged_rows(rows, row_stride, positions, table, src, n, width); });
   }
+  void encode_channel_groups(const CodedRows& rows, int first_group, int groups, const float* src) override {
+    timed(OpKind::kOther, [&] { inner_.encode_channel_groups(rows, first_group, groups, src); });
+  }
   void write_coded_rows(const CodedRows& rows, const int* positions, Ring ring, const float* src, int n) override {
     timed(OpKind::kOther, [&] { inner_.write_coded_rows(rows, positions, ring, src, n); });
   }

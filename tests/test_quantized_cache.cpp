@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <functional>
 #include <cmath>
 #include <limits>
@@ -179,6 +180,88 @@ void check_coded_attention(Backend& b, KvFormat format, Layout layout, const Att
   CHECK(worst <= 1e-5f);
 }
 
+// KIVI's per-channel keys (token_group > 0): groups [0, coded_rows / token_group) coded by the backend's
+// encode_channel_groups, rows from coded_rows on read as floats from open_rows; values int4 per token (groups of 8).
+// Backend attention against reference_attention over the rows decoded on the host, each stored key checked against
+// its channel's bound over its token group first.
+void check_channel_keys_attention(Backend& b, const AttentionShape& shape, int token_group, int coded_rows, int rows,
+                                  int pos, int n) {
+  CAPTURE(shape.head_dim);
+  CAPTURE(token_group);
+  CAPTURE(coded_rows);
+  CAPTURE(n);
+  const int kv_dim = shape.n_kv_heads * shape.head_dim, dim = shape.n_heads * shape.head_dim;
+  std::mt19937 gen(rows * 17 + n + token_group);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> keys(std::size_t(rows) * kv_dim), values(keys.size()), q(std::size_t(n) * dim);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    keys[i] = normal(gen) * (i % kv_dim == 5 ? 12.0f : 1.0f) + (i % kv_dim == 7 ? -20.0f : 0.0f);  // an outlier, a shifted channel
+    values[i] = normal(gen);
+  }
+  for (float& x : q) x = normal(gen);
+  CodedRows key_side = coded_rows_layout(KvFormat::kInt4, shape.n_kv_heads, shape.head_dim, 8),
+            value_side = key_side;
+  key_side.token_group = token_group;
+  Buffer key_memory(b, std::size_t(rows) * key_side.code_bytes() / 4 + key_side.scale_floats(rows)),
+      value_memory(b, std::size_t(rows) * value_side.code_bytes() / 4 + value_side.scale_floats(rows));
+  for (Buffer* memory : {&key_memory, &value_memory}) {  // unwritten codes and scales are NaN: never read
+    const std::vector<float> poison(memory->size(), std::numeric_limits<float>::quiet_NaN());
+    b.from_host(memory->data(), poison.data(), poison.size());
+  }
+  key_side.codes = reinterpret_cast<std::uint8_t*>(key_memory.data());
+  key_side.scales = key_memory.data() + std::size_t(rows) * key_side.code_bytes() / 4;
+  value_side.codes = reinterpret_cast<std::uint8_t*>(value_memory.data());
+  value_side.scales = value_memory.data() + std::size_t(rows) * value_side.code_bytes() / 4;
+  const Buffer d_keys = to_backend(b, keys), d_values = to_backend(b, values);
+  b.encode_channel_groups(key_side, 0, coded_rows / token_group, d_keys.data());
+  const Buffer d_open = to_backend(b, std::vector<float>(keys.begin() + std::ptrdiff_t(coded_rows) * kv_dim, keys.end()));
+  key_side.coded_rows = coded_rows, key_side.open_rows = d_open.data();
+  const IntBuffer all_rows = consecutive_positions(b, 0, rows);
+  b.write_coded_rows(value_side, all_rows.data(), Ring::unbounded(), d_values.data(), rows);
+  const KvView view{.rows = rows, .row_stride = kv_dim, .key_codes = key_side, .value_codes = value_side};
+
+  const Buffer d_q = to_backend(b, q);
+  Buffer d_out(b, q.size());
+  Buffer scratch(b, b.attention_scratch_floats(shape, view.rows));
+  const IntBuffer d_positions = consecutive_positions(b, pos, n);
+  b.attention(d_out.data(), d_q.data(), d_positions.data(), n, view, shape, {scratch.data(), scratch.size()}, nullptr);
+  const std::vector<float> out = from_backend(b, d_out);
+
+  // The oracle: the stored keys and values on the host, decoded number by number.
+  std::vector<float> key_copy(key_memory.size()), value_copy(value_memory.size());
+  b.to_host(key_copy.data(), key_memory.data(), key_copy.size());
+  b.to_host(value_copy.data(), value_memory.data(), value_copy.size());
+  CodedRows host_keys = key_side, host_values = value_side;
+  host_keys.codes = reinterpret_cast<std::uint8_t*>(key_copy.data()), host_keys.scales = key_copy.data() + (key_side.scales - key_memory.data());
+  host_keys.open_rows = keys.data() + std::size_t(coded_rows) * kv_dim;
+  host_values.codes = reinterpret_cast<std::uint8_t*>(value_copy.data()), host_values.scales = value_copy.data() + (value_side.scales - value_memory.data());
+  std::vector<float> decoded_keys(keys.size()), decoded_values(values.size()), run(kv_dim);
+  for (int r = 0; r < rows; ++r) {
+    host_keys.decode_run(r, 0, kv_dim, run.data());
+    for (int ch = 0; ch < kv_dim; ++ch) {
+      const float x = keys[std::size_t(r) * kv_dim + ch], back = host_keys.decode(r, ch);
+      REQUIRE(run[ch] == back);  // decode_run reads what decode reads
+      float lowest = x, highest = x;  // the channel over its token group
+      for (int i = r / token_group * token_group; i < (r / token_group + 1) * token_group && i < rows; ++i)
+        lowest = std::min(lowest, keys[std::size_t(i) * kv_dim + ch]), highest = std::max(highest, keys[std::size_t(i) * kv_dim + ch]);
+      const float bound = r < coded_rows ? (highest - lowest) / 30.0f * 1.0001f : 0.0f;  // open rows: exact
+      if (!(std::fabs(back - x) <= bound)) {
+        CAPTURE(r);
+        CAPTURE(ch);
+        FAIL("a stored key is outside its channel's bound: ", x, " read back as ", back);
+      }
+      decoded_keys[std::size_t(r) * kv_dim + ch] = back;
+      decoded_values[std::size_t(r) * kv_dim + ch] = host_values.decode(r, ch);
+    }
+  }
+  const KvView host_view{.keys = decoded_keys.data(), .values = decoded_values.data(), .rows = rows, .row_stride = kv_dim};
+  std::vector<float> expected(out.size());
+  reference_attention(expected.data(), q.data(), pos, n, host_view, shape);
+  float worst = 0.0f;  // 1e-5: as check_coded_attention
+  for (std::size_t i = 0; i < out.size(); ++i) worst = std::max(worst, std::isfinite(out[i]) ? std::fabs(out[i] - expected[i]) : INFINITY);
+  CHECK(worst <= 1e-5f);
+}
+
 }  // namespace
 
 // Named "cuda kernels ..." so that CTest's random-thread-order run of the harness repeats it (tests/CMakeLists.txt).
@@ -194,6 +277,13 @@ TEST_CASE("cuda kernels and the CPU: attention over a coded view equals the refe
           check_coded_attention(b, format, layout, shape, 8, 70, 30, 40);   // prefill, several query blocks of the GPU
           if (layout == Layout::kContiguous) check_coded_attention(b, format, layout, shape, head_dim, 70, 69, 1);  // int4 group = head
         }
+    // KIVI's per-channel keys: groups of 16 (three coded, 22 open rows) and of 8 (eight coded, 6 open).
+    for (int head_dim : {32, 24})
+      for (auto [token_group, coded_rows] : {std::pair{16, 48}, std::pair{8, 64}}) {
+        const AttentionShape shape{4, 2, head_dim};
+        check_channel_keys_attention(b, shape, token_group, coded_rows, 70, 69, 1);
+        check_channel_keys_attention(b, shape, token_group, coded_rows, 70, 30, 40);
+      }
   });
 }
 
@@ -353,4 +443,82 @@ TEST_CASE("chapter 10 in chapter 08's pool: a coded paged sequence gives Quantiz
   }
   CHECK(pool.free_blocks() == pool.blocks());
   CHECK_THROWS_WITH(ch08::BlockPool(cpu, c, 4, 4, 1, 16, ch08::PoolFormat{KvFormat::kInt4, 12}), doctest::Contains("must be even and divide"));
+}
+
+// KIVI's per-channel keys in QuantizedKvCache, on the shipped model: the first layer's keys do not depend on
+// attention, so a cache in fp32 beside it holds the very floats the model handed the KIVI cache. Every group coded
+// must be exactly those floats coded per channel (CodedRows::encode_channel_pair on the host), the open group's
+// keys exactly the floats; the values per token as int4's. A prefill that completes groups, decode steps that
+// complete more, one that lands on a group's last position.
+TEST_CASE("chapter 10: KIVI's per-channel keys - each group coded from the model's keys once complete, the open group read as floats") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const ModelConfig& c = checkpoint.config();
+  const std::vector<int> tokens = encode_bytes(validation_text().substr(700, 70));
+  for_each_backend(test_backend_names(), [&](Backend& backend) {
+    if (!backend.host_memory()) return;  // the check reads the cache's memory in place
+    Model model(checkpoint, backend, 64, 128);
+    constexpr int kGroup = 16;
+    constexpr int kPositions = 7 * kGroup;  // whole groups: a partial last group's scales would round the bytes up
+    ch10::QuantizedKvCache kivi(backend, c, kPositions, KvFormat::kInt4, kGroup, ch10::Keys::kPerChannel),
+        fp32(backend, c, kPositions, KvFormat::kFp32, kGroup);
+    CHECK_FALSE(kivi.replayable());
+    // Codes and scales as int4's, and the open group's floats for a decode step.
+    CHECK(kivi.allocated_bytes() == ch10::QuantizedKvCache::bytes(c, kPositions, KvFormat::kInt4, kGroup, ch10::Keys::kPerChannel));
+    CHECK(kivi.allocated_bytes() == kv_bytes_per_position(KvFormat::kInt4, c.n_kv_heads, c.head_dim(), kGroup) * c.n_layers * kPositions +
+                                        std::int64_t{4} * kGroup * c.kv_dim() * c.n_layers);
+    auto step = [&](int pos, int n) {
+      model.forward(std::span(tokens).subspan(pos, n), pos, &kivi);
+      model.forward(std::span(tokens).subspan(pos, n), pos, &fp32);
+    };
+    // After a call over [call_pos, length): attention read the groups before call_pos's as codes, the rest as
+    // floats; every group complete by `length` is stored coded.
+    auto check_layer0 = [&](int call_pos, int length) {
+      const KvView got = kivi.view(0), floats = fp32.view(0);
+      const int coded = got.key_codes.coded_rows;
+      CAPTURE(length);
+      CHECK(coded == call_pos / kGroup * kGroup);
+      // The expected codes: the fp32 cache's keys of each complete group, coded per channel on the host.
+      CodedRows expected = got.key_codes, stored = got.key_codes;
+      std::vector<std::uint8_t> codes(std::size_t(kPositions) * expected.code_bytes());
+      std::vector<float> scales(std::size_t(expected.scale_floats(kPositions)));
+      expected.codes = codes.data(), expected.scales = scales.data();
+      expected.coded_rows = stored.coded_rows = length / kGroup * kGroup;
+      for (int t = 0; t < length / kGroup; ++t)
+        for (int ch = 0; ch < c.kv_dim(); ch += 2) expected.encode_channel_pair(t, ch, floats.keys + std::size_t(t) * kGroup * c.kv_dim());
+      for (int r = 0; r < stored.coded_rows; ++r)
+        for (int ch = 0; ch < c.kv_dim(); ++ch) REQUIRE(stored.decode(r, ch) == expected.decode(r, ch));
+      int wrong = 0;
+      for (int r = 0; r < length; ++r)
+        for (int ch = 0; ch < c.kv_dim(); ++ch) {
+          const float want = r < coded ? expected.decode(r, ch) : floats.key(r, ch);
+          wrong += got.key(r, ch) != want;
+          std::array<float, 1> value{};
+          CodedRows per_token = got.value_codes;
+          std::vector<std::uint8_t> value_codes(per_token.code_bytes());
+          std::vector<float> value_scales(per_token.scales_per_row());
+          per_token.codes = value_codes.data(), per_token.scales = value_scales.data();
+          for (int g = 0; g < per_token.groups(); ++g) per_token.encode_group(0, g, floats.values + std::size_t(r) * c.kv_dim() + g * per_token.group);
+          value[0] = per_token.decode(0, ch);
+          wrong += got.value(r, ch) != value[0];
+        }
+      CHECK(wrong == 0);
+    };
+    step(0, 37);  // a prefill: read as floats; groups 0 and 1 stored coded, 32..36 open
+    check_layer0(0, 37);
+    for (int pos = 37; pos < 64; ++pos) step(pos, 1);  // decode steps: group 2 completes at 47, group 3 at 63
+    check_layer0(63, 64);
+    step(64, 1);  // the first step of a new group: group 3 now read coded
+    check_layer0(64, 65);
+    // Rewinding into a coded group is refused (its floats are gone); to a group's start it is allowed.
+    CHECK_THROWS_WITH(kivi.prepare(40, 1), doctest::Contains("already coded per channel"));
+    kivi.clear(), fp32.clear();
+    step(0, 20);
+    step(20, 30);  // a second prefill call that starts inside the open group and completes two more
+    check_layer0(20, 50);
+    step(50, 1);
+    check_layer0(50, 51);
+  });
+  CpuBackend cpu(1);
+  CHECK_THROWS_WITH(ch10::QuantizedKvCache(cpu, c, 10, KvFormat::kInt8, 32, ch10::Keys::kPerChannel), doctest::Contains("int4's option"));
+  CHECK_THROWS_WITH(ch10::QuantizedKvCache(cpu, c, 10, KvFormat::kInt4, 512, ch10::Keys::kPerChannel), doctest::Contains("must be even"));
 }

@@ -10,6 +10,17 @@
 //
 // Layout: [layer][K or V] blocks; a block is (max_positions, code bytes) codes, then (max_positions, scales) floats
 // (kv_format.h's CodedRows). fp32 keeps chapter 03's float rows and write_rows, so the baseline is the same code.
+//
+// KIVI's keys (Keys::kPerChannel, int4 only): a few channels of this model's keys are large at every position
+// (chapter 10's channels experiment), so a scale per token wastes its 16 levels on them; KIVI codes each channel
+// over a group of `group` positions instead. A group can be coded only once its last position is written, so the
+// open group's keys stay fp32 (open_keys_, KIVI's "residual"): the write appends a call's keys there and codes
+// every group the call completes; attention reads the groups coded before this call as codes and everything from
+// the open group's start on as floats - a prefill attends in fp32 as KIVI's does, a decode step reads its own
+// group in fp32 and every earlier one coded. Never a later position's key in an earlier one's rounding: a group
+// is coded after every position in it has been read in fp32. Values stay per token (KIVI's per-token values).
+// The open group's rows move to the front of open_keys_ when the next call starts past it (prepare), so a
+// view depends on the length: not replayable.
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -21,21 +32,35 @@
 
 namespace kvs::ch10 {
 
+// How the keys of an int4 cache share their scales: per token (a scale and a minimum per group of channels of one
+// position, like the values) or per channel (KIVI: per channel over a group of positions).
+enum class Keys { kPerToken, kPerChannel };
+
 class QuantizedKvCache final : public KvCache {
  public:
-  // int4_group: channels per int4 scale (kv_format_shape_error says which groups fit); ignored by other formats.
-  QuantizedKvCache(Backend& backend, const ModelConfig& config, int max_positions, KvFormat format, int int4_group)
+  // int4_group: channels per int4 scale (kv_format_shape_error says which groups fit), and with Keys::kPerChannel
+  // also the positions per key scale; ignored by other formats. Per-channel keys need int4.
+  QuantizedKvCache(Backend& backend, const ModelConfig& config, int max_positions, KvFormat format, int int4_group,
+                   Keys keys = Keys::kPerToken)
       : backend_(backend),
-        layout_(checked_layout(config, format, int4_group)),
+        layout_(checked_layout(config, format, int4_group, Keys::kPerToken)),
+        key_layout_(checked_layout(config, format, int4_group, keys)),
         n_layers_(config.n_layers),
         max_positions_(max_positions),
         block_floats_(block_floats(layout_, max_positions)),
-        storage_(backend, std::size_t(config.n_layers) * 2 * block_floats_) {}
+        key_block_floats_(block_floats(key_layout_, max_positions)),
+        storage_(backend, std::size_t(config.n_layers) * (key_block_floats_ + block_floats_)) {
+    if (key_layout_.token_group > 0) reserve_open_keys(key_layout_.token_group, 0);  // a decode step's: never more
+  }
 
-  // Bytes the cache allocates for `max_positions` positions: what the memory plan counts, scales included.
-  static std::int64_t bytes(const ModelConfig& config, int max_positions, KvFormat format, int int4_group) {
-    return std::int64_t(config.n_layers) * 2 * std::int64_t(block_floats(checked_layout(config, format, int4_group), max_positions)) *
-           std::int64_t{sizeof(float)};
+  // Bytes the cache allocates for `max_positions` positions: what the memory plan counts, scales included, and
+  // per-channel keys' open group (fp32) as a decode step needs it (a prefill call holds its own keys there too).
+  static std::int64_t bytes(const ModelConfig& config, int max_positions, KvFormat format, int int4_group,
+                            Keys keys = Keys::kPerToken) {
+    const CodedRows key_layout = checked_layout(config, format, int4_group, keys);
+    return std::int64_t(config.n_layers) * std::int64_t{sizeof(float)} *
+           std::int64_t(block_floats(checked_layout(config, format, int4_group, Keys::kPerToken), max_positions) +
+                        block_floats(key_layout, max_positions) + open_floats(key_layout, key_layout.token_group));
   }
 
   void prepare(int pos, int n) override {
@@ -45,6 +70,19 @@ class QuantizedKvCache final : public KvCache {
     if (pos + n > max_positions_)
       throw std::invalid_argument("QuantizedKvCache: positions up to " + std::to_string(pos + n) +
                                   " do not fit; the cache was allocated for " + std::to_string(max_positions_));
+    if (const int g = key_layout_.token_group; g > 0) {  // per-channel keys: where the open group starts now
+      const int open_start = pos / g * g;
+      if (open_start < open_start_ && pos % g != 0)
+        throw std::invalid_argument("QuantizedKvCache: position " + std::to_string(pos) + " lies in a group of " +
+                                    std::to_string(g) + " keys already coded per channel; start again at a multiple of " +
+                                    std::to_string(g));
+      if (open_start > open_start_ && pos > open_start)  // the open group's keys so far to the front
+        for (int layer = 0; layer < n_layers_; ++layer)
+          backend_.copy(open_keys(layer), open_keys(layer) + std::size_t(open_start - open_start_) * key_layout_.width,
+                        std::size_t(pos - open_start) * key_layout_.width);
+      open_start_ = open_start;
+      reserve_open_keys(pos - open_start + n, pos - open_start);  // only a call larger than any before allocates (a prefill)
+    }
     length_ = pos + n;
   }
 
@@ -56,7 +94,13 @@ class QuantizedKvCache final : public KvCache {
       backend_.write_rows(floats(layer, 1), layout_.width, positions, Ring::unbounded(), v, n, layout_.width);
       return;
     }
-    backend_.write_coded_rows(side(layer, 0), positions, Ring::unbounded(), k, n);  // quantize on write
+    if (const int g = key_layout_.token_group; g > 0) {  // per-channel keys: appended as floats, coded by groups
+      float* open = open_keys(layer);
+      backend_.copy(open + std::size_t(pos - open_start_) * key_layout_.width, k, std::size_t(n) * key_layout_.width);
+      backend_.encode_channel_groups(side(layer, 0), open_start_ / g, (pos + n) / g - open_start_ / g, open);
+    } else {
+      backend_.write_coded_rows(side(layer, 0), positions, Ring::unbounded(), k, n);  // quantize on write
+    }
     backend_.write_coded_rows(side(layer, 1), positions, Ring::unbounded(), v, n);
   }
 
@@ -70,9 +114,9 @@ class QuantizedKvCache final : public KvCache {
     }
     return view;
   }
-  bool replayable() const override { return true; }
+  bool replayable() const override { return key_layout_.token_group == 0; }
   int length() const override { return length_; }
-  void clear() { length_ = 0; }
+  void clear() { length_ = 0, open_start_ = 0; }
 
   // A coded row is not kv_dim floats an experiment could overwrite in place (chapter 05's corruption).
   KvRow row(int layer, int position) override {
@@ -87,39 +131,70 @@ class QuantizedKvCache final : public KvCache {
   }
 
   KvFormat format() const { return layout_.format; }
+  Keys keys() const { return key_layout_.token_group > 0 ? Keys::kPerChannel : Keys::kPerToken; }
   int max_positions() const { return max_positions_; }
-  std::int64_t allocated_bytes() const { return std::int64_t(storage_.size()) * std::int64_t{sizeof(float)}; }
+  std::int64_t allocated_bytes() const {
+    return std::int64_t(storage_.size() + open_keys_.size()) * std::int64_t{sizeof(float)};
+  }
 
  private:
-  static CodedRows checked_layout(const ModelConfig& config, KvFormat format, int int4_group) {
+  static CodedRows checked_layout(const ModelConfig& config, KvFormat format, int int4_group, Keys keys) {
     if (const std::string why = kv_format_shape_error(format, config.head_dim(), int4_group); !why.empty())
       throw std::invalid_argument("QuantizedKvCache: " + why);
-    return coded_rows_layout(format, config.n_kv_heads, config.head_dim(), int4_group);
+    CodedRows layout = coded_rows_layout(format, config.n_kv_heads, config.head_dim(), int4_group);
+    if (keys == Keys::kPerChannel) {
+      if (format != KvFormat::kInt4)
+        throw std::invalid_argument(std::string("QuantizedKvCache: per-channel keys are int4's option, not ") + to_string(format) + "'s");
+      if (const std::string why = channel_group_error(int4_group); !why.empty())
+        throw std::invalid_argument("QuantizedKvCache: " + why);
+      layout.token_group = int4_group;
+    }
+    return layout;
+  }
+  static std::size_t open_floats(const CodedRows& key_layout, int rows) {
+    return key_layout.token_group > 0 ? std::size_t(rows) * key_layout.width : 0;
+  }
+  // Room for `rows` open keys per layer, keeping the first `held` rows of each.
+  void reserve_open_keys(int rows, int held) {
+    if (open_floats(key_layout_, rows) * n_layers_ <= open_keys_.size()) return;
+    Buffer larger(backend_, open_floats(key_layout_, rows) * n_layers_);
+    for (int layer = 0; layer < n_layers_ && held > 0; ++layer)
+      backend_.copy(larger.data() + layer * open_floats(key_layout_, rows), open_keys(layer), open_floats(key_layout_, held));
+    open_keys_ = std::move(larger), open_rows_ = rows;
+  }
+  float* open_keys(int layer) const {
+    return const_cast<float*>(open_keys_.data()) + open_floats(key_layout_, open_rows_) * layer;
   }
   // Floats of one (layer, side) block's codes, rounded up to whole floats; the block: those, then the scales.
   static std::size_t code_floats(const CodedRows& layout, int max_positions) {
     return (std::size_t(max_positions) * layout.code_bytes() + sizeof(float) - 1) / sizeof(float);
   }
   static std::size_t block_floats(const CodedRows& layout, int max_positions) {
-    return code_floats(layout, max_positions) + std::size_t(max_positions) * layout.scales_per_row();
+    return code_floats(layout, max_positions) + std::size_t(layout.scale_floats(max_positions));
   }
   float* floats(int layer, int kv) const {
-    return const_cast<float*>(storage_.data()) + (std::size_t(layer) * 2 + kv) * block_floats_;
+    return const_cast<float*>(storage_.data()) + std::size_t(layer) * (key_block_floats_ + block_floats_) +
+           (kv == 0 ? 0 : key_block_floats_);
   }
   // The coded rows of a layer's keys (kv = 0) or values (kv = 1), in the backend memory of their block.
   CodedRows side(int layer, int kv) const {
-    CodedRows rows = layout_;
+    CodedRows rows = kv == 0 ? key_layout_ : layout_;
     float* block = floats(layer, kv);
     rows.codes = reinterpret_cast<std::uint8_t*>(block);
-    rows.scales = block + code_floats(layout_, max_positions_);
+    rows.scales = block + code_floats(rows, max_positions_);
+    if (rows.token_group > 0) rows.coded_rows = open_start_, rows.open_rows = open_keys(layer);
     return rows;
   }
 
   Backend& backend_;
-  CodedRows layout_;  // the format and shape of every side; no memory
+  CodedRows layout_;      // the format and shape of the values (and of per-token keys); no memory
+  CodedRows key_layout_;  // the keys': layout_, or per channel
   int n_layers_, max_positions_;
-  std::size_t block_floats_;
-  Buffer storage_;  // (layers, 2, block_floats)
+  std::size_t block_floats_, key_block_floats_;
+  Buffer storage_;     // (layers, keys' block_floats + values' block_floats)
+  Buffer open_keys_;   // per-channel keys: (layers, open_rows_, kv_dim) floats of the open group, from open_start_
+  int open_rows_ = 0;
+  int open_start_ = 0;  // per-channel keys: the first position not coded yet (a multiple of the group)
   int length_ = 0;
 };
 

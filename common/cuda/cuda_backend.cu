@@ -110,6 +110,14 @@ __global__ void write_coded_rows_kernel(CodedRows rows, const int* positions, Wh
   for (int g = threadIdx.x; g < rows.groups(); g += blockDim.x) rows.encode_group(row, g, src + i * rows.width + g * rows.group);
 }
 
+// Per-channel quantize (KIVI's keys): token group first_group + blockIdx.x from src's rows blockIdx.x · token_group
+// on. Grid (groups), block 256: a thread per channel pair (CodedRows::encode_channel_pair; a pair shares each byte).
+__global__ void encode_channel_groups_kernel(CodedRows rows, int first_group, const float* src) {
+  const int t = blockIdx.x;
+  for (int ch = 2 * threadIdx.x; ch < rows.width; ch += 2 * blockDim.x)
+    rows.encode_channel_pair(first_group + t, ch, src + std::size_t(t) * rows.token_group * rows.width);
+}
+
 // slot_positions[ring.write_slot(positions[i])] = positions[i], i < n. Grid (1), block 256 (n: a call's
 // positions, at most a prefill chunk), threads stride over i.
 __global__ void write_positions_kernel(int* slot_positions, const int* positions, Ring ring, int n) {
@@ -1032,6 +1040,11 @@ class CudaBackend final : public Backend {
                               int n) override {
     KVS_LAUNCH(write_coded_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows,
                positions, table, src);
+  }
+  void encode_channel_groups(const CodedRows& rows, int first_group, int groups, const float* src) override {
+    if (groups > 0)
+      KVS_LAUNCH(encode_channel_groups_kernel, dim3(static_cast<unsigned>(groups)), dim3(kThreads), 0, stream_, rows,
+                 first_group, src);
   }
   void swiglu(float* gate, const float* up, std::size_t count) override {
     KVS_LAUNCH(swiglu_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, stream_, gate, up, count);
