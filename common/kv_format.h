@@ -297,10 +297,16 @@ struct CodedRows {
       }
       const float* __restrict__ scale = scales + row / token_group * 2 * width;
       const float* __restrict__ minimum = scale + width;
-      for (int i = 0; i < count; ++i) {
-        const int ch = first + i;
-        out[i] = minimum[ch] + float((c[ch / 2] >> (4 * (ch % 2))) & 0xf) * scale[ch];
+      auto level = [&](int ch) { return float((c[ch / 2] >> (4 * (ch % 2))) & 0xf); };
+      int i = 0;
+      if (first % 2 == 1) out[0] = minimum[first] + level(first) * scale[first], i = 1;
+      for (; i + 16 <= count; i += 16) {  // 16 numbers from one 64-bit word, as per-token int4 below
+        std::uint64_t word;
+        memcpy(&word, c + (first + i) / 2, sizeof word);
+        for (int k = 0; k < 16; ++k)
+          out[i + k] = minimum[first + i + k] + float((word >> (4 * k)) & 0xf) * scale[first + i + k];
       }
+      for (; i < count; ++i) out[i] = minimum[first + i] + level(first + i) * scale[first + i];
       return;
     }
     const float* s = scales + row * scales_per_row();

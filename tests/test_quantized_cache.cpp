@@ -235,12 +235,14 @@ void check_channel_keys_attention(Backend& b, const AttentionShape& shape, int t
   host_keys.codes = reinterpret_cast<std::uint8_t*>(key_copy.data()), host_keys.scales = key_copy.data() + (key_side.scales - key_memory.data());
   host_keys.open_rows = keys.data() + std::size_t(coded_rows) * kv_dim;
   host_values.codes = reinterpret_cast<std::uint8_t*>(value_copy.data()), host_values.scales = value_copy.data() + (value_side.scales - value_memory.data());
-  std::vector<float> decoded_keys(keys.size()), decoded_values(values.size()), run(kv_dim);
+  std::vector<float> decoded_keys(keys.size()), decoded_values(values.size()), run(kv_dim), odd_run(kv_dim);
   for (int r = 0; r < rows; ++r) {
     host_keys.decode_run(r, 0, kv_dim, run.data());
+    host_keys.decode_run(r, 1, kv_dim - 1, odd_run.data() + 1);  // from an odd channel: the high nibble first
     for (int ch = 0; ch < kv_dim; ++ch) {
       const float x = keys[std::size_t(r) * kv_dim + ch], back = host_keys.decode(r, ch);
       REQUIRE(run[ch] == back);  // decode_run reads what decode reads
+      if (ch > 0) REQUIRE(odd_run[ch] == back);
       float lowest = x, highest = x;  // the channel over its token group
       for (int i = r / token_group * token_group; i < (r / token_group + 1) * token_group && i < rows; ++i)
         lowest = std::min(lowest, keys[std::size_t(i) * kv_dim + ch]), highest = std::max(highest, keys[std::size_t(i) * kv_dim + ch]);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <span>
 
@@ -19,14 +20,43 @@
 namespace kvs::ch10 {
 namespace {
 
-std::unique_ptr<QuantizedKvCache> make_cache(const Lab& lab, KvFormat format, int positions) {
-  return std::make_unique<QuantizedKvCache>(lab.rt.backend, lab.rt.model.config(), positions, format,
-                                            lab.group);
+std::unique_ptr<QuantizedKvCache> make_cache(const Lab& lab, CacheFormat f, int positions) {
+  return std::make_unique<QuantizedKvCache>(lab.rt.backend, lab.rt.model.config(), positions, f.format, lab.group, f.keys);
 }
 
-// The name a table and a CSV give a format: int4 with its group.
-std::string format_name(const Lab& lab, KvFormat f) {
-  return f == KvFormat::kInt4 ? "int4/g" + std::to_string(lab.group) : to_string(f);
+// The name a table and a CSV give a format: int4 and KIVI's with their group.
+std::string format_name(const Lab& lab, CacheFormat f) {
+  if (f.keys == Keys::kPerChannel) return "kivi/g" + std::to_string(lab.group);
+  return f.format == KvFormat::kInt4 ? "int4/g" + std::to_string(lab.group) : to_string(f.format);
+}
+
+// Bytes a cached position costs in every layer, keys and values, scales included (KIVI's: int4's, its scales per
+// channel and group of positions instead of per group of channels; not its open group's floats).
+std::int64_t bytes_per_position(const Lab& lab, const ModelConfig& c, CacheFormat f) {
+  return kv_bytes_per_position(f.format, c.n_kv_heads, c.head_dim(), lab.group) * c.n_layers;
+}
+
+// Teacher-forced decoding of `text` from position `first` on, one position per call (the cache holds [0, first)
+// already): on_logits(p, logits) with the logits that predict text[p + 1].
+void decode_along(Runtime& rt, KvCache& cache, std::span<const int> text, int first,
+                  const std::function<void(int, std::span<const float>)>& on_logits) {
+  for (int p = first; p + 1 < static_cast<int>(text.size()); ++p) on_logits(p, rt.model.forward(text.subspan(p, 1), p, &cache));
+}
+
+// Bits per byte as evaluate_perplexity scores them (chunks of `context` from position 0), but one position per
+// call: what a cache that reads a call's own keys differently from earlier ones (KIVI's) is scored by.
+double decoded_bits_per_byte(Runtime& rt, QuantizedKvCache& cache, std::span<const int> tokens, int context,
+                             Progress& progress) {
+  const int vocab = rt.model.config().vocab_size, n = static_cast<int>(tokens.size());
+  double nats = 0;
+  const int chunks = (n - 1 + context - 1) / context;
+  for (int start = 0, chunk = 0; start < n - 1; start += context, ++chunk) {
+    cache.clear();
+    decode_along(rt, cache, tokens.subspan(start, std::min(context + 1, n - start)), 0,
+                 [&](int p, std::span<const float> logits) { nats += next_token_nats(logits.data(), vocab, tokens[start + p + 1]); });
+    progress.update(chunk + 1, chunks);
+  }
+  return nats / (n - 1) / std::log(2.0);
 }
 
 std::size_t line_start(const std::string& text, std::size_t offset) {
@@ -43,7 +73,7 @@ void compare(const Lab& lab, int new_tokens, CsvWriter& csv) {
   // fp32's greedy run: its tokens are what the other formats are forced along, its logits what they are
   // compared with.
   std::vector<float> reference_logits(std::size_t(new_tokens) * vocab);
-  auto fp32 = make_cache(lab, KvFormat::kFp32, positions);
+  auto fp32 = make_cache(lab, CacheFormat{}, positions);
   Sampler sampler = rt.new_sampler();
   const Generation reference = generate_cached(
       rt.model, *fp32, sampler, rt.prompt, new_tokens, 0, {}, [&](int step, std::span<const float> logits) {
@@ -58,7 +88,7 @@ void compare(const Lab& lab, int new_tokens, CsvWriter& csv) {
       rt.prompt.size(), new_tokens);
   std::fprintf(stderr, "%-8s %9s %10s %10s %11s %12s %13s\n", "format", "B/pos", "KL mean", "KL max",
                "top-1 diff", "first diff", "text differs");
-  for (KvFormat format : lab.formats) {
+  for (CacheFormat format : lab.formats) {
     auto cache = make_cache(lab, format, positions);
     double kl_sum = 0, kl_max = 0;
     int top_differs = 0, first_top_differs = -1;
@@ -83,7 +113,7 @@ void compare(const Lab& lab, int new_tokens, CsvWriter& csv) {
     const auto differs = std::mismatch(own_tokens.begin(), own_tokens.end(), reference_tokens.begin());
     const int first_text_diff =
         differs.first == own_tokens.end() ? -1 : static_cast<int>(differs.first - own_tokens.begin());
-    const std::int64_t per_position = cache->allocated_bytes() / positions;
+    const std::int64_t per_position = bytes_per_position(lab, rt.model.config(), format);
     std::fprintf(stderr, "%-8s %9lld %10.2e %10.2e %5d of %-3d %12s %13s\n", format_name(lab, format).c_str(),
                  static_cast<long long>(per_position), kl_sum / new_tokens, kl_max, top_differs, new_tokens,
                  first_top_differs < 0 ? "none" : ("step " + std::to_string(first_top_differs)).c_str(),
@@ -112,23 +142,23 @@ void memory(const Lab& lab, std::int64_t budget, CsvWriter& csv) {
   std::fprintf(stderr, "%-9s | %12s %12s %16s | %12s %12s %10s | %12s %14s\n", "format", "B/position",
                "vs fp32", "allocated", "formula", "budget", "positions", "B/position", "pos. in 16 GiB");
   std::int64_t fp32_per_position = 0;
-  for (KvFormat format : lab.formats) {
-    // Allocated for the model's whole context: the bytes the allocator handed out, divided by the positions.
+  for (CacheFormat format : lab.formats) {
+    // Allocated for the model's whole context: the bytes the allocator handed out, divided by the positions
+    // (KIVI's include its open group's fp32 keys, a decode step's worth).
     auto cache = make_cache(lab, format, c.seq_len);
     const std::int64_t allocated = cache->allocated_bytes(), per_position = allocated / c.seq_len;
-    const std::int64_t formula =
-        kv_bytes_per_position(format, c.n_kv_heads, c.head_dim(), lab.group) * c.n_layers;
-    if (format == KvFormat::kFp32) fp32_per_position = per_position;
+    const std::int64_t formula = bytes_per_position(lab, c, format);
+    if (format.format == KvFormat::kFp32) fp32_per_position = per_position;
     // The most positions whose cache fits the budget (QuantizedKvCache::bytes: what the constructor would
     // allocate).
     int fits = 0;
     for (int step = 1 << 30; step > 0; step /= 2)
       if (fits + step <= (1 << 30) - 1 &&
-          QuantizedKvCache::bytes(c, fits + step, format, lab.group) <= budget)
+          QuantizedKvCache::bytes(c, fits + step, format.format, lab.group, format.keys) <= budget)
         fits += step;
     const std::int64_t large_per_position =
-        large.head_dim() % lab.group == 0 || format != KvFormat::kInt4
-            ? kv_bytes_per_position(format, large.n_kv_heads, large.head_dim(), lab.group) * large.n_layers
+        large.head_dim() % lab.group == 0 || format.format != KvFormat::kInt4
+            ? bytes_per_position(lab, large, format)
             : -1;
     std::fprintf(
         stderr, "%-9s | %12lld %11.2fx %16s | %12lld %12s %10d | %12lld %14lld\n",
@@ -157,20 +187,21 @@ void quality(const Lab& lab, const std::vector<int>& contexts, int text_bytes, C
     std::fprintf(stderr, " %12s %10s", ("ctx " + std::to_string(context)).c_str(), "vs fp32");
   std::fprintf(stderr, "\n");
   std::vector<double> fp32(contexts.size(), 0.0);
-  for (KvFormat format : lab.formats) {
+  for (CacheFormat format : lab.formats) {
     std::vector<double> bits(contexts.size());
     for (std::size_t i = 0; i < contexts.size(); ++i) {
       auto cache = make_cache(lab, format, contexts[i]);
       Progress progress("  " + format_name(lab, format) + ", context " + std::to_string(contexts[i]),
                         "chunks");
-      bits[i] = evaluate_perplexity(
-                    rt.model, tokens, contexts[i], [&](int done, int total) { progress.update(done, total); },
-                    cache.get())
-                    .bits_per_byte;
-      if (format == KvFormat::kFp32) fp32[i] = bits[i];
-      csv.row(format_name(lab, format), kv_bytes_per_position(format, rt.model.config().n_kv_heads, rt.model.config().head_dim(), lab.group) *
-                                            rt.model.config().n_layers,
-              contexts[i], text_bytes, bits[i], bits[i] - fp32[i]);
+      bits[i] = format.keys == Keys::kPerChannel
+                    ? decoded_bits_per_byte(rt, *cache, tokens, contexts[i], progress)
+                    : evaluate_perplexity(
+                          rt.model, tokens, contexts[i], [&](int done, int total) { progress.update(done, total); },
+                          cache.get())
+                          .bits_per_byte;
+      if (format.format == KvFormat::kFp32) fp32[i] = bits[i];
+      csv.row(format_name(lab, format), bytes_per_position(lab, rt.model.config(), format), contexts[i], text_bytes,
+              bits[i], bits[i] - fp32[i]);
     }
     std::fprintf(stderr, "%-9s",
                  format_name(lab, format).c_str());  // the row once its progress lines are done
@@ -184,7 +215,6 @@ void quality(const Lab& lab, const std::vector<int>& contexts, int text_bytes, C
 void recall(const Lab& lab, const std::vector<int>& distances, CsvWriter& csv) {
   Runtime& rt = lab.rt;
   constexpr int kPassage = 96, kCue = 32, kPassages = 16;
-  const int vocab = rt.model.config().vocab_size;
   std::fprintf(
       stderr,
       "exact recall: the share of a passage's last %d bytes predicted exactly (teacher-forced) when the "
@@ -192,7 +222,7 @@ void recall(const Lab& lab, const std::vector<int>& distances, CsvWriter& csv) {
       kPassage - kCue, kPassages, "format");
   for (int d : distances) std::fprintf(stderr, " %8s", ("d=" + std::to_string(d)).c_str());
   std::fprintf(stderr, "\n");
-  for (KvFormat format : lab.formats) {
+  for (CacheFormat format : lab.formats) {
     std::fprintf(stderr, "%-9s", format_name(lab, format).c_str());
     for (int distance : distances) {
       long correct = 0, scored = 0;
@@ -206,10 +236,14 @@ void recall(const Lab& lab, const std::vector<int>& distances, CsvWriter& csv) {
             encode_bytes(passage + "\n" + lab.held_out.substr(from, std::size_t(distance - kPassage - 2)) +
                          "\n" + passage);
         const int n = static_cast<int>(text.size());
+        // Everything before the scored bytes in one call (a prompt), then one position per call (generation): the
+        // scored positions read the first passage from the cache as decoding does, in every format.
         auto cache = make_cache(lab, format, n);
-        const auto logits = rt.model.forward(text, 0, cache.get(), Logits::kAllPositions);
-        for (int p = n - (kPassage - kCue) - 1; p < n - 1; ++p, ++scored)  // predicts the byte at p + 1
-          correct += argmax({logits.data() + std::size_t(p) * vocab, std::size_t(vocab)}) == text[p + 1];
+        const int first_scored = n - (kPassage - kCue) - 1;  // predicts the byte at first_scored + 1
+        rt.model.forward(std::span<const int>(text).first(first_scored), 0, cache.get());
+        decode_along(rt, *cache, text, first_scored, [&](int p, std::span<const float> logits) {
+          correct += argmax(logits) == text[p + 1], ++scored;
+        });
       }
       const double share = double(correct) / scored;
       std::fprintf(stderr, " %8.2f", share);
@@ -237,7 +271,7 @@ void speed(const Lab& lab, const std::vector<int>& contexts, int steps, CsvWrite
   for (int context : contexts) {
     const std::vector<int> text =
         encode_bytes(std::string_view(lab.held_out).substr(0, std::size_t(context) + 1));
-    for (KvFormat format : lab.formats) {
+    for (CacheFormat format : lab.formats) {
       auto cache = make_cache(lab, format, context + 1);
       for (int pos = 0; pos < context; pos += rt.model.max_tokens_per_call())  // prefill `context` positions
         rt.model.forward(
@@ -262,8 +296,7 @@ void speed(const Lab& lab, const std::vector<int>& contexts, int steps, CsvWrite
         }
       }  // the progress line ends before the row
       // What attention reads per step: the context's rows, codes and scales, keys and values, every layer.
-      const double bytes = double(kv_bytes_per_position(format, c.n_kv_heads, c.head_dim(), lab.group)) *
-                           c.n_layers * (context + 1);
+      const double bytes = double(bytes_per_position(lab, c, format)) * (context + 1);
       const double attention_p50 = median(attention_ms);
       std::fprintf(stderr, "%-9s %8d | %9.3f %9.3f | %9.3f %9.3f %12.1f\n", format_name(lab, format).c_str(),
                    context, median(step_ms), percentile(step_ms, 99), attention_p50,

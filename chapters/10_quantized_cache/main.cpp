@@ -21,16 +21,19 @@
 namespace {
 constexpr const char* kDefaultPrompt = "And God said, Let there be light: and there was light. And God saw the light, ";
 
-// --formats: a comma-separated list of format names, fp32 always first (the baseline).
-std::vector<kvs::KvFormat> parse_formats(const std::string& text) {
-  std::vector<kvs::KvFormat> formats{kvs::KvFormat::kFp32};
+// --formats: a comma-separated list of format names, fp32 always first (the baseline); "kivi" is int4 with the keys
+// per channel (QuantizedKvCache's Keys::kPerChannel).
+std::vector<kvs::ch10::CacheFormat> parse_formats(const std::string& text) {
+  std::vector<kvs::ch10::CacheFormat> formats{kvs::ch10::CacheFormat{}};
   std::size_t from = 0;
   while (from <= text.size()) {
     const std::size_t comma = std::min(text.find(',', from), text.size());
     const std::string name = text.substr(from, comma - from);
-    kvs::KvFormat f;
-    if (!kvs::parse_kv_format(name, f))
-      throw kvs::UsageError("--formats: '" + name + "' is not one of fp32, fp16, bf16, int8, int4");
+    kvs::ch10::CacheFormat f;
+    if (name == "kivi")
+      f = {kvs::KvFormat::kInt4, kvs::ch10::Keys::kPerChannel};
+    else if (!kvs::parse_kv_format(name, f.format))
+      throw kvs::UsageError("--formats: '" + name + "' is not one of fp32, fp16, bf16, int8, int4, kivi");
     if (std::find(formats.begin(), formats.end(), f) == formats.end()) formats.push_back(f);
     from = comma + 1;
   }
@@ -109,14 +112,15 @@ int channels(const kvs::CommonOptions& options, int text_bytes, int offset, int 
 int main(int argc, char** argv) {
   kvs::CommonOptions options;
   options.max_new_tokens = 120;
-  std::string experiment = "compare", formats_flag = "fp16,bf16,int8,int4", contexts_flag, distances_flag = "256,1024,1900",
+  std::string experiment = "compare", formats_flag = "fp16,bf16,int8,int4,kivi", contexts_flag, distances_flag = "256,1024,1900",
               errors_csv;
   int text_bytes = 2048, group = 32, offset = 0, steps = 200;
   std::int64_t budget = std::int64_t{512} << 10;
   kvs::ArgParser parser(
       "10_quantized_cache",
       "Chapter 10: a smaller cache. Chapter 03's cache storing K and V as fp16, bf16, int8 (a scale per token and\n"
-      "head) or int4 (a scale and a minimum per --group channels): quantized on write, decoded inside attention.\n"
+      "head) or int4 (a scale and a minimum per --group channels), or KIVI's int4 (kivi: keys per channel over\n"
+      "--group positions, the open group's keys in fp32): quantized on write, decoded inside attention.\n"
       "--experiment: compare (default: the prompt continued greedily with each format's cache; teacher-forced along\n"
       "fp32's tokens, the KL per step and where the most likely token first differs), memory (bytes per position from\n"
       "the allocator, the context a --budget holds), quality (bits per byte of held-out text at each --contexts),\n"
@@ -126,9 +130,9 @@ int main(int argc, char** argv) {
       "Text goes to stdout, tables and progress to stderr, one CSV per experiment with --csv.");
   kvs::add_common_flags(parser, options, '"' + std::string(kDefaultPrompt) + '"', kvs::CommonFlags::kGreedy);
   parser.add_string("--experiment", "NAME", "compare, memory, quality, recall, speed or channels (default compare)", &experiment);
-  parser.add_string("--formats", "LIST", "formats besides fp32, which always runs first (default fp16,bf16,int8,int4)",
+  parser.add_string("--formats", "LIST", "formats besides fp32, which always runs first (default fp16,bf16,int8,int4,kivi; kivi: int4 with the keys per channel over --group positions)",
                     &formats_flag);
-  parser.add_int("--group", "int4: channels per scale and minimum; channels: also tokens per channel group (default 32)",
+  parser.add_int("--group", "int4: channels per scale and minimum; kivi and channels: also positions per channel group of the keys (default 32)",
                  &group, 2, 1 << 16);
   parser.add_bytes("--budget", "memory: the KV cache budget whose context is counted (default 512KiB)", &budget);
   parser.add_string("--contexts", "LIST", "quality: contexts (default 512,2048); speed: cached positions (default 512,1024,2047)",
@@ -153,7 +157,7 @@ int main(int argc, char** argv) {
 
   return kvs::run_main(parser, [&] {
     if (experiment == "channels") return channels(options, parser.given("--text-bytes") ? text_bytes : 2048, offset, group, errors_csv);
-    const std::vector<kvs::KvFormat> formats = parse_formats(formats_flag);
+    const std::vector<kvs::ch10::CacheFormat> formats = parse_formats(formats_flag);
     const bool is_speed = experiment == "speed";
     const std::vector<int> contexts = kvs::parse_int_list(
         "--contexts", contexts_flag.empty() ? (is_speed ? "512,1024,2047" : "512,2048") : contexts_flag, 1, 1 << 20);
@@ -166,9 +170,12 @@ int main(int argc, char** argv) {
     kvs::Runtime rt(options, kDefaultPrompt, experiment == "compare" ? kvs::PromptFit::kMustFit : kvs::PromptFit::kCutByCaller,
                     is_speed ? 256 : experiment == "memory" ? 1 : longest, -1);
     const kvs::ModelConfig& c = rt.model.config();
-    for (kvs::KvFormat f : formats)
-      if (const std::string why = kvs::kv_format_shape_error(f, c.head_dim(), group); !why.empty())
+    for (kvs::ch10::CacheFormat f : formats) {
+      if (const std::string why = kvs::kv_format_shape_error(f.format, c.head_dim(), group); !why.empty())
         throw kvs::UsageError("--group " + std::to_string(group) + ": " + why);
+      if (const std::string why = kvs::channel_group_error(group); f.keys == kvs::ch10::Keys::kPerChannel && !why.empty())
+        throw kvs::UsageError("--group " + std::to_string(group) + ": " + why);
+    }
     if (longest > c.seq_len || (is_speed && longest_context + 1 > c.seq_len))
       throw kvs::UsageError("--contexts or --distances ask for " + std::to_string(std::max(longest, longest_context + 1)) +
                             " positions; the model's context is " + std::to_string(c.seq_len));
