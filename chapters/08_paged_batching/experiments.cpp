@@ -100,7 +100,7 @@ int serve_trace(Setup& s) {
   std::fprintf(stderr, "%d of %zu outputs identical to the request alone\n", same, results.size());
   const bool coded = s.format.format != KvFormat::kFp32;
   if (coded && same < static_cast<int>(results.size()))
-    std::fprintf(stderr, "(a %s pool rounds what it stores: a batched product rounds its floats differently from one "
+    std::fprintf(stderr, "(%s rounds what the pool stores: a batched product rounds its floats differently from one "
                          "row's (~1e-6), and a number that sits on a rounding boundary is then stored one code apart, "
                          "so an output can part from the request alone where two tokens nearly tie; an fp32 pool must "
                          "match exactly)\n", to_string(s.format.format));
