@@ -190,3 +190,18 @@ TEST_CASE("chapter 10: the channels experiment prints both tables, writes its CS
     CHECK(std::count(bad.err.begin(), bad.err.end(), '\n') == 1);
   }
 }
+
+TEST_CASE("chapter 08 with chapter 10's formats: --kv-format serves from a coded pool, refuses a bad format or group") {
+  const std::string bin = std::string(KVS_BIN_DIR) + "/08_paged_batching";
+  const auto r = kvs::test::run_command(bin + " --kv-format int8 --requests 4 --prompt-lengths 8,16 --output-lengths 4,8 --kv-memory 64KiB");
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("a pool of 5 blocks of 16 positions") != std::string::npos);  // 64 KiB / (16 · 720 B): fp32 would hold 1
+  CHECK(r.err.find("(a pool of its own, same format)") != std::string::npos);
+  CHECK(r.err.find("4 of 4 outputs identical") != std::string::npos);
+  for (const std::string flags : {"--kv-format int3", "--kv-format int4 --int4-group 12", "--kv-format int4 --int4-group 0"}) {
+    CAPTURE(flags);
+    const auto bad = kvs::test::run_command(bin + " " + flags);
+    CHECK(bad.exit_code == 2);
+    CHECK(std::count(bad.err.begin(), bad.err.end(), '\n') == 1);
+  }
+}

@@ -101,6 +101,8 @@ int main(int argc, char** argv) {
     // (The default prompt "x" is unused: requests bring their own.)
     kvs::Runtime rt(options, "x", kvs::PromptFit::kCutByCaller, token_budget, -1);
     const kvs::ModelConfig& c = rt.model.config();
+    if (const std::string why = kvs::kv_format_shape_error(pool_format.format, c.head_dim(), int4_group); !why.empty())
+      throw kvs::UsageError("--int4-group " + std::to_string(int4_group) + ": " + why);
     rt.plan_kv_cache(kv_memory + kvs::kv_cache_bytes(c, c.seq_len));  // the pool, and chapter 03's cache for a check
     std::vector<kvs::ch08::Request> requests;
     if (!trace_file.empty()) {
