@@ -13,8 +13,8 @@
 //   int4  half a byte a number, and per group of `group` consecutive numbers a float scale and a float
 //         minimum (its zero point): q = round((x - min) / s) in 0..15, s = (max - min) / 15, so
 //         |x - (min + q s)| <= (max - min) / 30 within the group. A group is a run of channels of one token
-//         (per-token grouping) or, gathered by the caller, one channel over consecutive tokens (KIVI's
-//         per-channel keys): the functions below take any run of numbers.
+//         (per-token grouping) or one channel over consecutive tokens (KIVI's per-channel keys, gathered by
+//         CodedRows::encode_channel_pair): the functions below take any run of numbers.
 //
 // Not a number: a head (int8) or group (int4) holding a NaN or an infinity is stored with a NaN scale, so
 // every number of it reads back as NaN - attention's output turns NaN where the bad row is visible, never
@@ -250,7 +250,7 @@ struct CodedRows {
   // Per-channel quantize, when token group t is complete: channels ch and ch + 1 (ch even: they share each row's
   // byte) of its token_group rows, x the group's rows (token_group, width) floats.
   KVS_HOST_DEVICE void encode_channel_pair(int t, int ch, const float* x) const {
-    float column[2][256];  // token_group <= 256 (kv_format_shape_error)
+    float column[2][256];  // token_group <= 256 (channel_group_error)
     for (int half = 0; half < 2; ++half) {
       for (int i = 0; i < token_group; ++i) column[half][i] = x[std::size_t(i) * width + ch + half];
       std::uint8_t pairs[128];
