@@ -45,6 +45,24 @@ float stated_bound(KvFormat f, float lowest, float highest) {
   return 0.0f;
 }
 
+// The backend's attention for the queries q (n, dim) at positions pos .. pos + n - 1 over `view`, on the host.
+std::vector<float> backend_attention(Backend& b, const std::vector<float>& q, int pos, int n, const KvView& view,
+                                     const AttentionShape& shape) {
+  const Buffer d_q = to_backend(b, q);
+  Buffer d_out(b, q.size());
+  Buffer scratch(b, b.attention_scratch_floats(shape, view.rows));
+  const IntBuffer d_positions = consecutive_positions(b, pos, n);
+  b.attention(d_out.data(), d_q.data(), d_positions.data(), n, view, shape, {scratch.data(), scratch.size()}, nullptr);
+  return from_backend(b, d_out);
+}
+
+// The largest difference between two outputs; infinite where `out` is not finite.
+float worst_difference(const std::vector<float>& out, const std::vector<float>& expected) {
+  float worst = 0.0f;
+  for (std::size_t i = 0; i < out.size(); ++i) worst = std::max(worst, std::isfinite(out[i]) ? std::fabs(out[i] - expected[i]) : INFINITY);
+  return worst;
+}
+
 // How a test view's rows are laid out in the backend.
 enum class Layout { kContiguous, kPaged, kRingWithSinks, kRotateAtRead };
 const char* to_string(Layout l) {
@@ -132,12 +150,7 @@ void check_coded_attention(Backend& b, KvFormat format, Layout layout, const Att
   if (layout == Layout::kRotateAtRead) view.read_rope = d_rope.data();
   view.key_codes = key_codes, view.value_codes = value_codes;
 
-  const Buffer d_q = to_backend(b, q);
-  Buffer d_out(b, q.size());
-  Buffer scratch(b, b.attention_scratch_floats(shape, view.rows));
-  const IntBuffer d_positions = consecutive_positions(b, pos, n);
-  b.attention(d_out.data(), d_q.data(), d_positions.data(), n, view, shape, {scratch.data(), scratch.size()}, nullptr);
-  const std::vector<float> out = from_backend(b, d_out);
+  const std::vector<float> out = backend_attention(b, q, pos, n, view, shape);
 
   // The oracle: the stored rows copied to the host, decoded number by number, as fp32 rows at the same places.
   std::vector<float> host_keys(std::size_t(stored_rows) * kv_dim, NAN), host_values(host_keys.size(), NAN);
@@ -175,9 +188,7 @@ void check_coded_attention(Backend& b, KvFormat format, Layout layout, const Att
   // Both sum the same decoded numbers in fp32 (the reference in double): 1e-5 covers the order of the sums
   // over at most a hundred rows of weights <= 1 times values of size ~3; a wrong row, head or scale moves the
   // output by ~0.1.
-  float worst = 0.0f;
-  for (std::size_t i = 0; i < out.size(); ++i) worst = std::max(worst, std::isfinite(out[i]) ? std::fabs(out[i] - expected[i]) : INFINITY);
-  CHECK(worst <= 1e-5f);
+  CHECK(worst_difference(out, expected) <= 1e-5f);
 }
 
 // KIVI's per-channel keys (token_group > 0): groups [0, coded_rows / token_group) coded by the backend's
@@ -220,12 +231,7 @@ void check_channel_keys_attention(Backend& b, const AttentionShape& shape, int t
   b.write_coded_rows(value_side, all_rows.data(), Ring::unbounded(), d_values.data(), rows);
   const KvView view{.rows = rows, .row_stride = kv_dim, .key_codes = key_side, .value_codes = value_side};
 
-  const Buffer d_q = to_backend(b, q);
-  Buffer d_out(b, q.size());
-  Buffer scratch(b, b.attention_scratch_floats(shape, view.rows));
-  const IntBuffer d_positions = consecutive_positions(b, pos, n);
-  b.attention(d_out.data(), d_q.data(), d_positions.data(), n, view, shape, {scratch.data(), scratch.size()}, nullptr);
-  const std::vector<float> out = from_backend(b, d_out);
+  const std::vector<float> out = backend_attention(b, q, pos, n, view, shape);
 
   // The oracle: the stored keys and values on the host, decoded number by number.
   std::vector<float> key_copy(key_memory.size()), value_copy(value_memory.size());
@@ -259,9 +265,7 @@ void check_channel_keys_attention(Backend& b, const AttentionShape& shape, int t
   const KvView host_view{.keys = decoded_keys.data(), .values = decoded_values.data(), .rows = rows, .row_stride = kv_dim};
   std::vector<float> expected(out.size());
   reference_attention(expected.data(), q.data(), pos, n, host_view, shape);
-  float worst = 0.0f;  // 1e-5: as check_coded_attention
-  for (std::size_t i = 0; i < out.size(); ++i) worst = std::max(worst, std::isfinite(out[i]) ? std::fabs(out[i] - expected[i]) : INFINITY);
-  CHECK(worst <= 1e-5f);
+  CHECK(worst_difference(out, expected) <= 1e-5f);  // 1e-5: as check_coded_attention
 }
 
 }  // namespace
