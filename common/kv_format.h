@@ -186,8 +186,10 @@ KVS_HOST_DEVICE inline float dequantize_int4(const std::uint8_t* packed, int i, 
 // instead of each row alone, since a few channels of the keys are large in every token (chapter 10 measures it):
 // row r's codes as above, but channel ch of token group t = r / token_group has its scale at
 // scales[t · 2 · width + ch] and its minimum at scales[t · 2 · width + width + ch]. A token group can be coded only
-// once all its rows are written (encode_channel_pair); until then its rows - from `coded_rows` on - are kept as
-// floats in open_rows (row coded_rows + i at open_rows + i · width), and read from there.
+// once all its rows are written (encode_channel_pair); until then its rows are kept as floats.
+//
+// Open rows (any format): with open_rows set, rows from `coded_rows` on are not coded yet and are read as floats
+// from open_rows (row coded_rows + i at open_rows + i · width) - KIVI's open group of the newest keys.
 struct CodedRows {
   KvFormat format = KvFormat::kFp32;  // kFp32 in a view: not coded (its float rows are read instead)
   std::uint8_t* codes = nullptr;      // (rows, code_bytes())
@@ -196,8 +198,8 @@ struct CodedRows {
   int width = 0;                      // numbers a row: kv_dim
   int group = 1;                      // numbers that share a scale: int8 head_dim, int4 its group; 1 otherwise
   int token_group = 0;                // > 0: per-channel int4 over this many rows (KIVI's keys); 0: each row alone
-  int coded_rows = 0;                 // per-channel: rows [0, coded_rows) are coded, later ones read from open_rows
-  const float* open_rows = nullptr;   // per-channel: (rows from coded_rows on, width) floats, not coded yet
+  int coded_rows = 0;                 // with open_rows: rows [0, coded_rows) are coded, later ones read from open_rows
+  const float* open_rows = nullptr;   // null, or (rows from coded_rows on, width) floats, not coded yet
 
   KVS_HOST_DEVICE int code_bytes() const {
     switch (format) {
@@ -267,9 +269,9 @@ struct CodedRows {
 
   // Dequantize on read: number `channel` of row `row`.
   KVS_HOST_DEVICE float decode(std::size_t row, int channel) const {
+    if (open_rows && row >= std::size_t(coded_rows)) return open_rows[(row - coded_rows) * width + channel];
     const std::uint8_t* c = codes + row * code_bytes();
     if (token_group > 0) {
-      if (row >= std::size_t(coded_rows)) return open_rows[(row - coded_rows) * width + channel];
       const float* s = scales + row / token_group * 2 * width;
       return s[width + channel] + float((c[channel / 2] >> (4 * (channel % 2))) & 0xf) * s[channel];
     }
@@ -289,12 +291,12 @@ struct CodedRows {
   // out (count) = numbers [first, first + count) of row `row`, as decode gives them; the format chosen once for
   // the run, so each loop is one the compiler can vectorise (the CPU's attention decodes a head at a time).
   KVS_HOST_DEVICE void decode_run(std::size_t row, int first, int count, float* __restrict__ out) const {
+    if (open_rows && row >= std::size_t(coded_rows)) {
+      memcpy(out, open_rows + (row - coded_rows) * width + first, 4 * std::size_t(count));
+      return;
+    }
     const std::uint8_t* c = codes + row * code_bytes();
     if (token_group > 0) {  // a scale and a minimum per channel
-      if (row >= std::size_t(coded_rows)) {
-        memcpy(out, open_rows + (row - coded_rows) * width + first, 4 * std::size_t(count));
-        return;
-      }
       const float* __restrict__ scale = scales + row / token_group * 2 * width;
       const float* __restrict__ minimum = scale + width;
       auto level = [&](int ch) { return float((c[ch / 2] >> (4 * (ch % 2))) & 0xf); };

@@ -451,12 +451,13 @@ TEST_CASE("chapter 10 in chapter 08's pool: a coded paged sequence gives Quantiz
   CHECK_THROWS_WITH(ch08::BlockPool(cpu, c, 4, 4, 1, 16, ch08::PoolFormat{KvFormat::kInt4, 12}), doctest::Contains("must be even and divide"));
 }
 
-// KIVI's per-channel keys in QuantizedKvCache, on the shipped model: the first layer's keys do not depend on
-// attention, so a cache in fp32 beside it holds the very floats the model handed the KIVI cache. Every group coded
-// must be exactly those floats coded per channel (CodedRows::encode_channel_pair on the host), the open group's
-// keys exactly the floats; the values per token as int4's. A prefill that completes groups, decode steps that
-// complete more, one that lands on a group's last position.
-TEST_CASE("chapter 10: KIVI's per-channel keys - each group coded from the model's keys once complete, the open group read as floats") {
+// KIVI's per-channel keys in QuantizedKvCache, on the shipped model, and its control (per-token int4 keys with the
+// same fp32 open group): the first layer's keys do not depend on attention, so a cache in fp32 beside it holds the
+// very floats the model handed the int4 cache. Every group coded must be exactly those floats coded on the host
+// (CodedRows::encode_channel_pair, or encode_group row by row), the open group's keys exactly the floats; the
+// values per token as int4's. A prefill that completes groups, decode steps that complete more, a step into a new
+// group, rewinds inside the open group and to a group's start, a second prefill starting inside the open group.
+TEST_CASE("chapter 10: KIVI's per-channel keys and its per-token control - each group coded from the model's keys once complete, the open group read as floats") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   const ModelConfig& c = checkpoint.config();
   const std::vector<int> tokens = encode_bytes(validation_text().substr(700, 70));
@@ -465,66 +466,74 @@ TEST_CASE("chapter 10: KIVI's per-channel keys - each group coded from the model
     Model model(checkpoint, backend, 64, 128);
     constexpr int kGroup = 16;
     constexpr int kPositions = 7 * kGroup;  // whole groups: a partial last group's scales would round the bytes up
-    ch10::QuantizedKvCache kivi(backend, c, kPositions, KvFormat::kInt4, kGroup, ch10::Keys::kPerChannel),
-        fp32(backend, c, kPositions, KvFormat::kFp32, kGroup);
-    CHECK_FALSE(kivi.replayable());
-    // Codes and scales as int4's, and the open group's floats for a decode step.
-    CHECK(kivi.allocated_bytes() == ch10::QuantizedKvCache::bytes(c, kPositions, KvFormat::kInt4, kGroup, ch10::Keys::kPerChannel));
-    CHECK(kivi.allocated_bytes() == kv_bytes_per_position(KvFormat::kInt4, c.n_kv_heads, c.head_dim(), kGroup) * c.n_layers * kPositions +
-                                        std::int64_t{4} * kGroup * c.kv_dim() * c.n_layers);
-    auto step = [&](int pos, int n) {
-      model.forward(std::span(tokens).subspan(pos, n), pos, &kivi);
-      model.forward(std::span(tokens).subspan(pos, n), pos, &fp32);
-    };
-    // After a call over [call_pos, length): attention read the groups before call_pos's as codes, the rest as
-    // floats; every group complete by `length` is stored coded.
-    auto check_layer0 = [&](int call_pos, int length) {
-      const KvView got = kivi.view(0), floats = fp32.view(0);
-      const int coded = got.key_codes.coded_rows;
-      CAPTURE(length);
-      CHECK(coded == call_pos / kGroup * kGroup);
-      // The expected codes: the fp32 cache's keys of each complete group, coded per channel on the host.
-      CodedRows expected = got.key_codes, stored = got.key_codes;
-      std::vector<std::uint8_t> codes(std::size_t(kPositions) * expected.code_bytes());
-      std::vector<float> scales(std::size_t(expected.scale_floats(kPositions)));
-      expected.codes = codes.data(), expected.scales = scales.data();
-      expected.coded_rows = stored.coded_rows = length / kGroup * kGroup;
-      for (int t = 0; t < length / kGroup; ++t)
-        for (int ch = 0; ch < c.kv_dim(); ch += 2) expected.encode_channel_pair(t, ch, floats.keys + std::size_t(t) * kGroup * c.kv_dim());
-      for (int r = 0; r < stored.coded_rows; ++r)
-        for (int ch = 0; ch < c.kv_dim(); ++ch) REQUIRE(stored.decode(r, ch) == expected.decode(r, ch));
-      int wrong = 0;
-      for (int r = 0; r < length; ++r)
-        for (int ch = 0; ch < c.kv_dim(); ++ch) {
-          const float want = r < coded ? expected.decode(r, ch) : floats.key(r, ch);
-          wrong += got.key(r, ch) != want;
-          std::array<float, 1> value{};
-          CodedRows per_token = got.value_codes;
-          std::vector<std::uint8_t> value_codes(per_token.code_bytes());
-          std::vector<float> value_scales(per_token.scales_per_row());
-          per_token.codes = value_codes.data(), per_token.scales = value_scales.data();
+    for (ch10::Keys keys : {ch10::Keys::kPerChannel, ch10::Keys::kPerTokenOpen}) {
+      CAPTURE(keys == ch10::Keys::kPerChannel ? "per channel" : "per token, open group");
+      ch10::QuantizedKvCache open(backend, c, kPositions, KvFormat::kInt4, kGroup, keys),
+          fp32(backend, c, kPositions, KvFormat::kFp32, kGroup);
+      CHECK_FALSE(open.replayable());
+      // Codes and scales as int4's, and the open group's floats for a decode step.
+      CHECK(open.allocated_bytes() == ch10::QuantizedKvCache::bytes(c, kPositions, KvFormat::kInt4, kGroup, keys));
+      CHECK(open.allocated_bytes() == kv_bytes_per_position(KvFormat::kInt4, c.n_kv_heads, c.head_dim(), kGroup) * c.n_layers * kPositions +
+                                          std::int64_t{4} * kGroup * c.kv_dim() * c.n_layers);
+      auto step = [&](int pos, int n) {
+        model.forward(std::span(tokens).subspan(pos, n), pos, &open);
+        model.forward(std::span(tokens).subspan(pos, n), pos, &fp32);
+      };
+      // After a call over [call_pos, length): attention read the groups before call_pos's as codes, the rest as
+      // floats; every group complete by `length` is stored coded.
+      auto check_layer0 = [&](int call_pos, int length) {
+        const KvView got = open.view(0), floats = fp32.view(0);
+        const int coded = got.key_codes.coded_rows;
+        CAPTURE(length);
+        CHECK(coded == call_pos / kGroup * kGroup);
+        // The expected codes: the fp32 cache's keys of each complete group, coded on the host.
+        CodedRows expected = got.key_codes, stored = got.key_codes;
+        std::vector<std::uint8_t> codes(std::size_t(kPositions) * expected.code_bytes());
+        std::vector<float> scales(std::size_t(expected.scale_floats(kPositions)));
+        expected.codes = codes.data(), expected.scales = scales.data();
+        expected.open_rows = stored.open_rows = nullptr;  // read every row as stored codes
+        const int complete = length / kGroup * kGroup;
+        for (int t = 0; t < complete / kGroup && keys == ch10::Keys::kPerChannel; ++t)
+          for (int ch = 0; ch < c.kv_dim(); ch += 2) expected.encode_channel_pair(t, ch, floats.keys + std::size_t(t) * kGroup * c.kv_dim());
+        for (int r = 0; r < complete && keys == ch10::Keys::kPerTokenOpen; ++r)
+          for (int g = 0; g < expected.groups(); ++g) expected.encode_group(r, g, floats.keys + std::size_t(r) * c.kv_dim() + g * expected.group);
+        for (int r = 0; r < complete; ++r)
+          for (int ch = 0; ch < c.kv_dim(); ++ch) REQUIRE(stored.decode(r, ch) == expected.decode(r, ch));
+        int wrong = 0;
+        CodedRows per_token = got.value_codes;
+        std::vector<std::uint8_t> value_codes(per_token.code_bytes());
+        std::vector<float> value_scales(per_token.scales_per_row());
+        per_token.codes = value_codes.data(), per_token.scales = value_scales.data();
+        for (int r = 0; r < length; ++r) {
           for (int g = 0; g < per_token.groups(); ++g) per_token.encode_group(0, g, floats.values + std::size_t(r) * c.kv_dim() + g * per_token.group);
-          value[0] = per_token.decode(0, ch);
-          wrong += got.value(r, ch) != value[0];
+          for (int ch = 0; ch < c.kv_dim(); ++ch) {
+            wrong += got.key(r, ch) != (r < coded ? expected.decode(r, ch) : floats.key(r, ch));
+            wrong += got.value(r, ch) != per_token.decode(0, ch);
+          }
         }
-      CHECK(wrong == 0);
-    };
-    step(0, 37);  // a prefill: read as floats; groups 0 and 1 stored coded, 32..36 open
-    check_layer0(0, 37);
-    for (int pos = 37; pos < 64; ++pos) step(pos, 1);  // decode steps: group 2 completes at 47, group 3 at 63
-    check_layer0(63, 64);
-    step(64, 1);  // the first step of a new group: group 3 now read coded
-    check_layer0(64, 65);
-    // Rewinding into a coded group is refused (its floats are gone); to a group's start it is allowed.
-    CHECK_THROWS_WITH(kivi.prepare(40, 1), doctest::Contains("already coded per channel"));
-    kivi.clear(), fp32.clear();
-    step(0, 20);
-    step(20, 30);  // a second prefill call that starts inside the open group and completes two more
-    check_layer0(20, 50);
-    step(50, 1);
-    check_layer0(50, 51);
+        CHECK(wrong == 0);
+      };
+      step(0, 37);  // a prefill: read as floats; groups 0 and 1 stored coded, 32..36 open
+      check_layer0(0, 37);
+      for (int pos = 37; pos < 64; ++pos) step(pos, 1);  // decode steps: group 2 completes at 47, group 3 at 63
+      check_layer0(63, 64);
+      step(64, 1);  // the first step of a new group: group 3 now read coded
+      check_layer0(64, 65);
+      step(64, 1);  // again: a rewind inside the open group (the speed experiment's repeated step)
+      check_layer0(64, 65);
+      step(48, 1);  // a rewind to a coded group's start: from there on floats again
+      check_layer0(48, 49);
+      // Rewinding into a coded group is refused (its floats are gone).
+      CHECK_THROWS_WITH(open.prepare(40, 1), doctest::Contains("already coded"));
+      open.clear(), fp32.clear();
+      step(0, 20);
+      step(20, 30);  // a second prefill call that starts inside the open group and completes two more
+      check_layer0(20, 50);
+      step(50, 1);
+      check_layer0(50, 51);
+    }
   });
   CpuBackend cpu(1);
-  CHECK_THROWS_WITH(ch10::QuantizedKvCache(cpu, c, 10, KvFormat::kInt8, 32, ch10::Keys::kPerChannel), doctest::Contains("int4's option"));
-  CHECK_THROWS_WITH(ch10::QuantizedKvCache(cpu, c, 10, KvFormat::kInt4, 512, ch10::Keys::kPerChannel), doctest::Contains("must be even"));
+  CHECK_THROWS_WITH(ch10::QuantizedKvCache(cpu, c, 10, KvFormat::kInt8, 32, ch10::Keys::kPerChannel), doctest::Contains("int4's options"));
+  CHECK_THROWS_WITH(ch10::QuantizedKvCache(cpu, c, 10, KvFormat::kInt4, 512, ch10::Keys::kPerTokenOpen), doctest::Contains("must be even"));
 }

@@ -27,11 +27,12 @@ std::unique_ptr<QuantizedKvCache> make_cache(const Lab& lab, CacheFormat f, int 
 // The name a table and a CSV give a format: int4 and KIVI's with their group.
 std::string format_name(const Lab& lab, CacheFormat f) {
   if (f.keys == Keys::kPerChannel) return "kivi/g" + std::to_string(lab.group);
+  if (f.keys == Keys::kPerTokenOpen) return "int4o/g" + std::to_string(lab.group);
   return f.format == KvFormat::kInt4 ? "int4/g" + std::to_string(lab.group) : to_string(f.format);
 }
 
 // Bytes a cached position costs in every layer, keys and values, scales included (KIVI's: int4's, its scales per
-// channel and group of positions instead of per group of channels; not its open group's floats).
+// channel and group of positions instead of per group of channels; not the open group's floats).
 std::int64_t bytes_per_position(const Lab& lab, const ModelConfig& c, CacheFormat f) {
   return kv_bytes_per_position(f.format, c.n_kv_heads, c.head_dim(), lab.group) * c.n_layers;
 }
@@ -193,7 +194,7 @@ void quality(const Lab& lab, const std::vector<int>& contexts, int text_bytes, C
       auto cache = make_cache(lab, format, contexts[i]);
       Progress progress("  " + format_name(lab, format) + ", context " + std::to_string(contexts[i]),
                         "chunks");
-      bits[i] = format.keys == Keys::kPerChannel
+      bits[i] = format.keys != Keys::kPerToken
                     ? decoded_bits_per_byte(rt, *cache, tokens, contexts[i], progress)
                     : evaluate_perplexity(
                           rt.model, tokens, contexts[i], [&](int done, int total) { progress.update(done, total); },

@@ -22,7 +22,7 @@ namespace {
 constexpr const char* kDefaultPrompt = "And God said, Let there be light: and there was light. And God saw the light, ";
 
 // --formats: a comma-separated list of format names, fp32 always first (the baseline); "kivi" is int4 with the keys
-// per channel (QuantizedKvCache's Keys::kPerChannel).
+// per channel (QuantizedKvCache's Keys::kPerChannel), "int4o" int4 per token with KIVI's open group (kPerTokenOpen).
 std::vector<kvs::ch10::CacheFormat> parse_formats(const std::string& text) {
   std::vector<kvs::ch10::CacheFormat> formats{kvs::ch10::CacheFormat{}};
   std::size_t from = 0;
@@ -32,8 +32,10 @@ std::vector<kvs::ch10::CacheFormat> parse_formats(const std::string& text) {
     kvs::ch10::CacheFormat f;
     if (name == "kivi")
       f = {kvs::KvFormat::kInt4, kvs::ch10::Keys::kPerChannel};
+    else if (name == "int4o")
+      f = {kvs::KvFormat::kInt4, kvs::ch10::Keys::kPerTokenOpen};
     else if (!kvs::parse_kv_format(name, f.format))
-      throw kvs::UsageError("--formats: '" + name + "' is not one of fp32, fp16, bf16, int8, int4, kivi");
+      throw kvs::UsageError("--formats: '" + name + "' is not one of fp32, fp16, bf16, int8, int4, kivi, int4o");
     if (std::find(formats.begin(), formats.end(), f) == formats.end()) formats.push_back(f);
     from = comma + 1;
   }
@@ -130,7 +132,7 @@ int main(int argc, char** argv) {
       "Text goes to stdout, tables and progress to stderr, one CSV per experiment with --csv.");
   kvs::add_common_flags(parser, options, '"' + std::string(kDefaultPrompt) + '"', kvs::CommonFlags::kGreedy);
   parser.add_string("--experiment", "NAME", "compare, memory, quality, recall, speed or channels (default compare)", &experiment);
-  parser.add_string("--formats", "LIST", "formats besides fp32, which always runs first (default fp16,bf16,int8,int4,kivi; kivi: int4 with the keys per channel over --group positions)",
+  parser.add_string("--formats", "LIST", "formats besides fp32, which always runs first (default fp16,bf16,int8,int4,kivi; kivi: int4 with the keys per channel over --group positions and the newest, open group in fp32; int4o: int4 per token with that open group, a control)",
                     &formats_flag);
   parser.add_int("--group", "int4: channels per scale and minimum; kivi and channels: also positions per channel group of the keys (default 32)",
                  &group, 2, 1 << 16);
@@ -173,7 +175,7 @@ int main(int argc, char** argv) {
     for (kvs::ch10::CacheFormat f : formats) {
       if (const std::string why = kvs::kv_format_shape_error(f.format, c.head_dim(), group); !why.empty())
         throw kvs::UsageError("--group " + std::to_string(group) + ": " + why);
-      if (const std::string why = kvs::channel_group_error(group); f.keys == kvs::ch10::Keys::kPerChannel && !why.empty())
+      if (const std::string why = kvs::channel_group_error(group); f.keys != kvs::ch10::Keys::kPerToken && !why.empty())
         throw kvs::UsageError("--group " + std::to_string(group) + ": " + why);
     }
     if (longest > c.seq_len || (is_speed && longest_context + 1 > c.seq_len))

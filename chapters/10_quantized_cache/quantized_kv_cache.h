@@ -20,7 +20,9 @@
 // group in fp32 and every earlier one coded. Never a later position's key in an earlier one's rounding: a group
 // is coded after every position in it has been read in fp32. Values stay per token (KIVI's per-token values).
 // The open group's rows move to the front of open_keys_ when the next call starts past it (prepare), so a
-// view depends on the length: not replayable.
+// view depends on the length: not replayable. Keys::kPerTokenOpen keeps the same open group but codes a completed
+// group's keys per token, as int4 does: the control that tells what KIVI's per-channel scales buy from what its
+// fp32 open group buys.
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -33,8 +35,9 @@
 namespace kvs::ch10 {
 
 // How the keys of an int4 cache share their scales: per token (a scale and a minimum per group of channels of one
-// position, like the values) or per channel (KIVI: per channel over a group of positions).
-enum class Keys { kPerToken, kPerChannel };
+// position, like the values) or per channel (KIVI: per channel over a group of positions, the open group in fp32);
+// or per token with KIVI's fp32 open group (an experiment's control).
+enum class Keys { kPerToken, kPerChannel, kPerTokenOpen };
 
 class QuantizedKvCache final : public KvCache {
  public:
@@ -49,8 +52,11 @@ class QuantizedKvCache final : public KvCache {
         max_positions_(max_positions),
         block_floats_(block_floats(layout_, max_positions)),
         key_block_floats_(block_floats(key_layout_, max_positions)),
-        storage_(backend, std::size_t(config.n_layers) * (key_block_floats_ + block_floats_)) {
-    if (key_layout_.token_group > 0) reserve_open_keys(key_layout_.token_group, 0);  // a decode step's: never more
+        storage_(backend, std::size_t(config.n_layers) * (key_block_floats_ + block_floats_)),
+        keys_(keys),
+        open_group_(keys == Keys::kPerToken ? 0 : int4_group) {
+    if (open_group_ > 0) reserve_open_keys(open_group_, 0);  // a decode step's: never more
+    if (keys == Keys::kPerTokenOpen) all_positions_ = consecutive_positions(backend, 0, max_positions);
   }
 
   // Bytes the cache allocates for `max_positions` positions: what the memory plan counts, scales included, and
@@ -58,9 +64,10 @@ class QuantizedKvCache final : public KvCache {
   static std::int64_t bytes(const ModelConfig& config, int max_positions, KvFormat format, int int4_group,
                             Keys keys = Keys::kPerToken) {
     const CodedRows key_layout = checked_layout(config, format, int4_group, keys);
+    const int open_group = keys == Keys::kPerToken ? 0 : int4_group;
     return std::int64_t(config.n_layers) * std::int64_t{sizeof(float)} *
            std::int64_t(block_floats(checked_layout(config, format, int4_group, Keys::kPerToken), max_positions) +
-                        block_floats(key_layout, max_positions) + open_floats(key_layout, key_layout.token_group));
+                        block_floats(key_layout, max_positions) + std::size_t(open_group) * key_layout.width);
   }
 
   void prepare(int pos, int n) override {
@@ -70,11 +77,11 @@ class QuantizedKvCache final : public KvCache {
     if (pos + n > max_positions_)
       throw std::invalid_argument("QuantizedKvCache: positions up to " + std::to_string(pos + n) +
                                   " do not fit; the cache was allocated for " + std::to_string(max_positions_));
-    if (const int g = key_layout_.token_group; g > 0) {  // per-channel keys: where the open group starts now
+    if (const int g = open_group_; g > 0) {  // where the open group starts now
       const int open_start = pos / g * g;
       if (open_start < open_start_ && pos % g != 0)
         throw std::invalid_argument("QuantizedKvCache: position " + std::to_string(pos) + " lies in a group of " +
-                                    std::to_string(g) + " keys already coded per channel; start again at a multiple of " +
+                                    std::to_string(g) + " keys already coded (their floats are gone); start again at a multiple of " +
                                     std::to_string(g));
       if (open_start > open_start_ && pos > open_start)  // the open group's keys so far to the front
         for (int layer = 0; layer < n_layers_; ++layer)
@@ -94,10 +101,14 @@ class QuantizedKvCache final : public KvCache {
       backend_.write_rows(floats(layer, 1), layout_.width, positions, Ring::unbounded(), v, n, layout_.width);
       return;
     }
-    if (const int g = key_layout_.token_group; g > 0) {  // per-channel keys: appended as floats, coded by groups
+    if (const int g = open_group_; g > 0) {  // keys appended to the open group as floats, coded a group at a time
       float* open = open_keys(layer);
       backend_.copy(open + std::size_t(pos - open_start_) * key_layout_.width, k, std::size_t(n) * key_layout_.width);
-      backend_.encode_channel_groups(side(layer, 0), open_start_ / g, (pos + n) / g - open_start_ / g, open);
+      const int completed = (pos + n) / g - open_start_ / g;
+      if (keys_ == Keys::kPerChannel)
+        backend_.encode_channel_groups(side(layer, 0), open_start_ / g, completed, open);
+      else if (completed > 0)
+        backend_.write_coded_rows(side(layer, 0), all_positions_.data() + open_start_, Ring::unbounded(), open, completed * g);
     } else {
       backend_.write_coded_rows(side(layer, 0), positions, Ring::unbounded(), k, n);  // quantize on write
     }
@@ -114,7 +125,7 @@ class QuantizedKvCache final : public KvCache {
     }
     return view;
   }
-  bool replayable() const override { return key_layout_.token_group == 0; }
+  bool replayable() const override { return open_group_ == 0; }
   int length() const override { return length_; }
   void clear() { length_ = 0, open_start_ = 0; }
 
@@ -131,7 +142,7 @@ class QuantizedKvCache final : public KvCache {
   }
 
   KvFormat format() const { return layout_.format; }
-  Keys keys() const { return key_layout_.token_group > 0 ? Keys::kPerChannel : Keys::kPerToken; }
+  Keys keys() const { return keys_; }
   int max_positions() const { return max_positions_; }
   std::int64_t allocated_bytes() const {
     return std::int64_t(storage_.size() + open_keys_.size()) * std::int64_t{sizeof(float)};
@@ -142,28 +153,27 @@ class QuantizedKvCache final : public KvCache {
     if (const std::string why = kv_format_shape_error(format, config.head_dim(), int4_group); !why.empty())
       throw std::invalid_argument("QuantizedKvCache: " + why);
     CodedRows layout = coded_rows_layout(format, config.n_kv_heads, config.head_dim(), int4_group);
-    if (keys == Keys::kPerChannel) {
+    if (keys != Keys::kPerToken) {
       if (format != KvFormat::kInt4)
-        throw std::invalid_argument(std::string("QuantizedKvCache: per-channel keys are int4's option, not ") + to_string(format) + "'s");
+        throw std::invalid_argument(std::string("QuantizedKvCache: per-channel keys and the open group are int4's options, not ") +
+                                    to_string(format) + "'s");
       if (const std::string why = channel_group_error(int4_group); !why.empty())
         throw std::invalid_argument("QuantizedKvCache: " + why);
-      layout.token_group = int4_group;
+      if (keys == Keys::kPerChannel) layout.token_group = int4_group;
     }
     return layout;
   }
-  static std::size_t open_floats(const CodedRows& key_layout, int rows) {
-    return key_layout.token_group > 0 ? std::size_t(rows) * key_layout.width : 0;
-  }
+  std::size_t open_floats(int rows) const { return std::size_t(rows) * key_layout_.width; }
   // Room for `rows` open keys per layer, keeping the first `held` rows of each.
   void reserve_open_keys(int rows, int held) {
-    if (open_floats(key_layout_, rows) * n_layers_ <= open_keys_.size()) return;
-    Buffer larger(backend_, open_floats(key_layout_, rows) * n_layers_);
+    if (open_floats(rows) * n_layers_ <= open_keys_.size()) return;
+    Buffer larger(backend_, open_floats(rows) * n_layers_);
     for (int layer = 0; layer < n_layers_ && held > 0; ++layer)
-      backend_.copy(larger.data() + layer * open_floats(key_layout_, rows), open_keys(layer), open_floats(key_layout_, held));
+      backend_.copy(larger.data() + layer * open_floats(rows), open_keys(layer), open_floats(held));
     open_keys_ = std::move(larger), open_rows_ = rows;
   }
   float* open_keys(int layer) const {
-    return const_cast<float*>(open_keys_.data()) + open_floats(key_layout_, open_rows_) * layer;
+    return const_cast<float*>(open_keys_.data()) + open_floats(open_rows_) * layer;
   }
   // Floats of one (layer, side) block's codes, rounded up to whole floats; the block: those, then the scales.
   static std::size_t code_floats(const CodedRows& layout, int max_positions) {
@@ -182,7 +192,7 @@ class QuantizedKvCache final : public KvCache {
     float* block = floats(layer, kv);
     rows.codes = reinterpret_cast<std::uint8_t*>(block);
     rows.scales = block + code_floats(rows, max_positions_);
-    if (rows.token_group > 0) rows.coded_rows = open_start_, rows.open_rows = open_keys(layer);
+    if (kv == 0 && open_group_ > 0) rows.coded_rows = open_start_, rows.open_rows = open_keys(layer);
     return rows;
   }
 
@@ -192,9 +202,12 @@ class QuantizedKvCache final : public KvCache {
   int n_layers_, max_positions_;
   std::size_t block_floats_, key_block_floats_;
   Buffer storage_;     // (layers, keys' block_floats + values' block_floats)
-  Buffer open_keys_;   // per-channel keys: (layers, open_rows_, kv_dim) floats of the open group, from open_start_
+  Keys keys_;
+  int open_group_;     // positions of the open group (KIVI's), 0 for none
+  Buffer open_keys_;   // (layers, open_rows_, kv_dim) floats of the open group, from open_start_
   int open_rows_ = 0;
-  int open_start_ = 0;  // per-channel keys: the first position not coded yet (a multiple of the group)
+  int open_start_ = 0;  // the first position not coded yet (a multiple of the open group)
+  IntBuffer all_positions_;  // kPerTokenOpen: 0 .. max_positions - 1, the rows a completed group is written to
   int length_ = 0;
 };
 
