@@ -223,7 +223,7 @@ struct CodedRows {
   }
   // Bytes one row costs, scales included (per-channel: a token group's scales shared out over its rows).
   KVS_HOST_DEVICE std::int64_t row_bytes() const {
-    if (token_group > 0) return code_bytes() + std::int64_t{4} * 2 * width / token_group;
+    if (token_group > 0) return code_bytes() + (std::int64_t{4} * 2 * width + token_group - 1) / token_group;  // rounded up
     return code_bytes() + std::int64_t{4} * scales_per_row();
   }
 
@@ -252,11 +252,11 @@ struct CodedRows {
   // Per-channel quantize, when token group t is complete: channels ch and ch + 1 (ch even: they share each row's
   // byte) of its token_group rows, x the group's rows (token_group, width) floats.
   KVS_HOST_DEVICE void encode_channel_pair(int t, int ch, const float* x) const {
-    float column[2][256];  // token_group <= 256 (channel_group_error)
+    float column[256];  // token_group <= 256 (channel_group_error)
     for (int half = 0; half < 2; ++half) {
-      for (int i = 0; i < token_group; ++i) column[half][i] = x[std::size_t(i) * width + ch + half];
+      for (int i = 0; i < token_group; ++i) column[i] = x[std::size_t(i) * width + ch + half];
       std::uint8_t pairs[128];
-      const Int4Group q = quantize_int4(column[half], token_group, pairs);  // two rows' numbers a byte here
+      const Int4Group q = quantize_int4(column, token_group, pairs);  // two rows' numbers a byte here
       float* s = scales + std::size_t(t) * 2 * width;
       s[ch + half] = q.scale, s[width + ch + half] = q.minimum;
       for (int i = 0; i < token_group; ++i) {

@@ -49,6 +49,32 @@ int count_identical(const std::vector<RequestResult>& results, const std::vector
   return same;
 }
 
+// A coded pool (chapter 10) rounds what it stores, and a batched product rounds its floats differently from one
+// row's (~1e-6), so a number on a rounding boundary is stored one code apart batched and alone; that moves a logit
+// by ~1e-3 (chapter 10's tests measure up to 1.3e-3 over a call). An output may then part from the request alone
+// only where the alone run's two best tokens nearly tie: within kNearTie, 50 times that. Counts the outputs that
+// part elsewhere (a bug, not rounding), printing each parting.
+constexpr float kNearTie = 0.05f;
+int unexplained_partings(Setup& s, const std::vector<RequestResult>& results, const std::vector<std::vector<int>>& expected) {
+  int unexplained = 0;
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    if (results[i].output == expected[i]) continue;
+    const std::size_t at = first_difference(results[i].output, expected[i]);
+    float gap = INFINITY;  // the alone run's two best logits at the token where the outputs part
+    serve_alone(s.rt.model, s.requests[i], s.format, s.block_size, [&](int step, std::span<const float> logits) {
+      if (step != static_cast<int>(at)) return;
+      std::vector<float> top(logits.begin(), logits.end());
+      std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<>());
+      gap = top[0] - top[1];
+    });
+    const bool near_tie = gap <= kNearTie;
+    std::fprintf(stderr, "  request %zu parts at token %zu, where its two best logits alone are %.4f apart: %s\n", i, at,
+                 gap, near_tie ? "a near-tie" : "NOT a near-tie");
+    unexplained += !near_tie;
+  }
+  return unexplained;
+}
+
 std::vector<std::vector<int>> outputs_of(const std::vector<RequestResult>& results) {
   std::vector<std::vector<int>> outputs;
   for (const RequestResult& r : results) outputs.push_back(r.output);
@@ -95,15 +121,19 @@ int serve_trace(Setup& s) {
   std::fprintf(stderr, "\nchecking every output against the request served alone (%s)...\n",
                s.format.format == KvFormat::kFp32 ? "chapter 03's cache" : "a pool of its own, same format");
   std::vector<std::vector<int>> expected;
-  for (const Request& r : s.requests) expected.push_back(serve_alone(s.rt.model, r, s.format));
-  const int same = count_identical(results, expected);
-  std::fprintf(stderr, "%d of %zu outputs identical to the request alone\n", same, results.size());
+  for (const Request& r : s.requests) expected.push_back(serve_alone(s.rt.model, r, s.format, s.block_size));
   const bool coded = s.format.format != KvFormat::kFp32;
-  if (coded && same < static_cast<int>(results.size()))
-    std::fprintf(stderr, "(%s rounds what the pool stores: a batched product rounds its floats differently from one "
-                         "row's (~1e-6), and a number that sits on a rounding boundary is then stored one code apart, "
-                         "so an output can part from the request alone where two tokens nearly tie; an fp32 pool must "
-                         "match exactly)\n", to_string(s.format.format));
+  int same = 0;
+  for (std::size_t i = 0; i < results.size(); ++i) same += results[i].output == expected[i];
+  // fp32: every output must be the request's alone. A coded pool: each parting must be at a near-tie.
+  const int unexplained = coded ? unexplained_partings(s, results, expected) : static_cast<int>(results.size()) - same;
+  if (!coded) count_identical(results, expected);  // prints the first few that differ
+  std::fprintf(stderr, "%d of %zu outputs identical to the request alone", same, results.size());
+  if (coded)
+    std::fprintf(stderr, "; %d part where two tokens nearly tie (%s rounds what the pool stores: batched and alone, a "
+                         "number on a rounding boundary lands one code apart), %d elsewhere", static_cast<int>(results.size()) - same - unexplained,
+                 to_string(s.format.format), unexplained);
+  std::fprintf(stderr, "\n");
 
   CsvWriter csv({"--csv", s.csv}, "request,prompt_tokens,new_tokens,arrival_step,ttft_ms,tpot_ms,latency_ms,preemptions,identical_alone",
                 s.rt.inputs());
@@ -112,7 +142,7 @@ int serve_trace(Setup& s) {
             results[i].preemptions, results[i].output == expected[i] ? 1 : 0);
   csv.commit();
   if (csv.enabled()) std::fprintf(stderr, "wrote %s\n", csv.path().c_str());
-  return same == static_cast<int>(results.size()) || coded ? 0 : 1;
+  return unexplained == 0 ? 0 : 1;
 }
 
 int throughput(Setup& s) {
@@ -227,7 +257,7 @@ int preemption(Setup& s) {
   const ModelConfig& c = s.rt.model.config();
   std::int64_t everyone = 0;  // a pool that holds every request whole at once: nothing is ever preempted
   for (const Request& r : s.requests)
-    everyone += kv_cache_bytes(c, blocks_needed(int(r.prompt.size()) + r.max_new_tokens, s.block_size) * s.block_size);
+    everyone += blocks_needed(int(r.prompt.size()) + r.max_new_tokens, s.block_size) * BlockPool::block_bytes(c, s.block_size, s.format);
   s.rt.plan_kv_cache(std::max(everyone, s.kv_memory));  // the larger pool, one at a time (--memory-limit)
   std::fprintf(stderr, "%zu requests; a pool of %s (every request at once) against one of %s\n", s.requests.size(),
                format_bytes(double(everyone)).c_str(), format_bytes(double(s.kv_memory)).c_str());
@@ -246,7 +276,10 @@ int preemption(Setup& s) {
                  pool.blocks(), stats.steps, stats.wall_ms, stats.tokens_per_s(), stats.preemptions, stats.recomputed_tokens,
                  same, results.size());
     csv.row(bytes, pool.blocks(), stats.steps, stats.wall_ms, stats.tokens_per_s(), stats.preemptions, stats.recomputed_tokens, same);
-    if (same != static_cast<int>(results.size())) return 1;
+    // A coded pool: batching differently (here, other sequences at each step) may part an output at a near-tie.
+    if (same != static_cast<int>(results.size()) &&
+        (s.format.format == KvFormat::kFp32 || unexplained_partings(s, results, unconstrained) > 0))
+      return 1;
   }
   csv.commit();
   if (csv.enabled()) std::fprintf(stderr, "wrote %s\n", csv.path().c_str());

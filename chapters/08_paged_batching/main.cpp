@@ -103,7 +103,9 @@ int main(int argc, char** argv) {
     const kvs::ModelConfig& c = rt.model.config();
     if (const std::string why = kvs::kv_format_shape_error(pool_format.format, c.head_dim(), int4_group); !why.empty())
       throw kvs::UsageError("--int4-group " + std::to_string(int4_group) + ": " + why);
-    rt.plan_kv_cache(kv_memory + kvs::kv_cache_bytes(c, c.seq_len));  // the pool, and chapter 03's cache for a check
+    // The pool, and the cache a request served alone uses for the check (chapter 03's, or a one-sequence pool).
+    rt.plan_kv_cache(kv_memory + kvs::ch08::BlockPool::block_bytes(c, kvs::blocks_needed(c.seq_len, block_size) * block_size,
+                                                                   pool_format));
     std::vector<kvs::ch08::Request> requests;
     if (!trace_file.empty()) {
       requests = kvs::ch08::parse_trace(kvs::read_input_file("--trace", trace_file, std::size_t{64} << 20), trace_file);

@@ -68,20 +68,20 @@ void check_block_ownership(const BlockPool& pool, const std::vector<const PagedS
     for (int block : sequences[s]->blocks()) hold(block, "the block table of running sequence " + std::to_string(s));
 }
 
-std::vector<int> serve_alone(Model& model, const Request& request, PoolFormat format) {
+std::vector<int> serve_alone(Model& model, const Request& request, PoolFormat format, int block_size,
+                             const OnLogits& on_logits) {
   const int positions = int(request.prompt.size()) + request.max_new_tokens;
   std::optional<BlockPool> pool;  // before the cache that gives its blocks back to it
   std::unique_ptr<KvCache> cache;
   if (format.format == KvFormat::kFp32) {
     cache = std::make_unique<ch03::PreallocatedKvCache>(model.backend(), model.config(), positions);
   } else {
-    constexpr int kBlock = 16;
-    pool.emplace(model.backend(), model.config(), blocks_needed(positions, kBlock), kBlock, 1, positions, format);
+    pool.emplace(model.backend(), model.config(), blocks_needed(positions, block_size), block_size, 1, positions, format);
     cache = std::make_unique<PagedSequence>(*pool);
   }
   Sampler greedy(model.config().vocab_size, SamplerSettings{});
   const Generation g = generate_cached(model, *cache, greedy, request.prompt, request.max_new_tokens,
-                                       model.max_tokens_per_call());  // a prompt longer than a call: in chunks
+                                       model.max_tokens_per_call(), {}, on_logits);  // a prompt longer than a call: in chunks
   return {g.tokens.begin() + long(request.prompt.size()), g.tokens.end()};
 }
 

@@ -21,6 +21,7 @@
 #include <span>
 #include <vector>
 
+#include "generate.h"
 #include "model.h"
 #include "paged_kv_cache.h"
 
@@ -143,9 +144,11 @@ inline RunStats serve(Model& model, BlockPool& pool, const std::vector<Request>&
 }
 
 // What serve must reproduce: the greedy tokens `request` gets alone, through chapter 03's preallocated cache -
-// or, for a pool that stores its rows coded (chapter 10), through a one-sequence pool of the same format, so that
-// the check compares batching with batching's absence, not one format with another.
-std::vector<int> serve_alone(Model& model, const Request& request, PoolFormat format = {});
+// or, for a pool that stores its rows coded (chapter 10), through a one-sequence pool of the same format and block
+// size, so that the check compares batching with batching's absence, not one format with another. on_logits: each
+// step's logits (generate.h).
+std::vector<int> serve_alone(Model& model, const Request& request, PoolFormat format = {}, int block_size = 16,
+                             const OnLogits& on_logits = {});
 // The index of the first token where two outputs differ (the shorter one's length if one is a prefix of the
 // other; equal outputs: their length).
 std::size_t first_difference(const std::vector<int>& a, const std::vector<int>& b);
