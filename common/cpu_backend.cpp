@@ -79,6 +79,13 @@ constexpr int kLanes = Eigen::internal::packet_traits<float>::size;
 // time 0.110, 0.103, 0.093 and 0.104 ms (book 03 also has what was tried and dropped). __restrict: out and
 // scratch share no memory with the cache or q.
 constexpr int kRows = 8;
+// Rows [row, row + count) of KV head `kv_head` of a coded side (chapter 10) decoded into `decoded`
+// (count, head_dim): what every CPU path reads when the view's rows are not floats in place.
+void decode_head_rows(const KvView& kv, const CodedRows& codes, int row, int count, int kv_head, int head_dim,
+                      float* __restrict decoded) {
+  for (int j = 0; j < count; ++j)
+    codes.decode_run(kv.physical_row(row + j), kv_head * head_dim, head_dim, decoded + std::size_t(j) * head_dim);
+}
 // Rows of a coded view (chapter 10) the general path below decodes for one product: enough rows that Eigen's
 // product stays efficient, few enough that they stay in L1 (32 KB at head_dim 256).
 constexpr int kDecodedRows = 32;
@@ -129,7 +136,7 @@ void attend_one_query(float* __restrict out, const float* q, const KvView& kv, i
         return;
       }
       for (int c = c0; c < c1; ++c) {
-        for (int j = 0; j < n; ++j) codes.decode_run(kv.physical_row(begin + r + j), c * head_dim, head_dim, decoded + j * head_dim);
+        decode_head_rows(kv, codes, begin + r, n, c, head_dim, decoded);
         rows_at(decoded, head_dim, c, r, count);
       }
     };
@@ -299,7 +306,7 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
   // View row r's key or value of KV head kv_head (head_dim floats): in place, or decoded into `decoded`.
   auto row_of = [&](const float* base, const CodedRows& codes, int r, int kv_head, float* decoded) -> const float* {
     if (codes.format == KvFormat::kFp32) return base + kv.row_offset(r) + kv_head * head_dim;
-    codes.decode_run(kv.physical_row(r), kv_head * head_dim, head_dim, decoded);
+    decode_head_rows(kv, codes, r, 1, kv_head, head_dim, decoded);
     return decoded;
   };
 
@@ -391,8 +398,7 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
         if (codes.format == KvFormat::kFp32)
           return Eigen::Map<const RowMajor, 0, Strided>(base + kv.row_offset(row) + kv_head * head_dim, count, head_dim,
                                                         Strided(kv.row_stride));
-        for (int j = 0; j < count; ++j)
-          codes.decode_run(kv.physical_row(row + j), kv_head * head_dim, head_dim, decoded + std::size_t(j) * head_dim);
+        decode_head_rows(kv, codes, row, count, kv_head, head_dim, decoded);
         return Eigen::Map<const RowMajor, 0, Strided>(decoded, count, head_dim, Strided(head_dim));
       };
       auto keys_of = [&](int row, int count) { return rows_of(kv.keys, kv.key_codes, row, count); };

@@ -30,10 +30,14 @@ KVS_HOST_DEVICE inline void rope_rotate(float* pair, const float* cos_sin) {
 
 // Element d of the head vector x once rotated, given the [cos, sin] of d's pair: what rope_rotate would
 // leave there, for code that rotates as it reads (read-time rotation, chapter 04).
-KVS_HOST_DEVICE inline float rope_rotated_element(const float* x, int d, const float* cos_sin) {
-  float pair[2] = {x[d & ~1], x[d | 1]};
+// `even` and `odd` are the pair's two numbers (d's and its neighbour's), however they were read.
+KVS_HOST_DEVICE inline float rope_rotated_element(float even, float odd, int d, const float* cos_sin) {
+  float pair[2] = {even, odd};
   rope_rotate(pair, cos_sin);
   return pair[d & 1];
+}
+KVS_HOST_DEVICE inline float rope_rotated_element(const float* x, int d, const float* cos_sin) {
+  return rope_rotated_element(x[d & ~1], x[d | 1], d, cos_sin);
 }
 
 }  // namespace kvs

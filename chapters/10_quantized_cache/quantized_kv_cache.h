@@ -53,9 +53,8 @@ class QuantizedKvCache final : public KvCache {
         block_floats_(block_floats(layout_, max_positions)),
         key_block_floats_(block_floats(key_layout_, max_positions)),
         storage_(backend, std::size_t(config.n_layers) * (key_block_floats_ + block_floats_)),
-        keys_(keys),
-        open_group_(keys == Keys::kPerToken ? 0 : int4_group) {
-    if (open_group_ > 0) reserve_open_keys(open_group_, 0);  // a decode step's: never more
+        keys_(keys) {
+    if (open_group() > 0) reserve_open_keys(open_group(), 0);  // a decode step's: never more
     if (keys == Keys::kPerTokenOpen) all_positions_ = consecutive_positions(backend, 0, max_positions);
   }
 
@@ -77,7 +76,7 @@ class QuantizedKvCache final : public KvCache {
     if (pos + n > max_positions_)
       throw std::invalid_argument("QuantizedKvCache: positions up to " + std::to_string(pos + n) +
                                   " do not fit; the cache was allocated for " + std::to_string(max_positions_));
-    if (const int g = open_group_; g > 0) {  // where the open group starts now
+    if (const int g = open_group(); g > 0) {  // where the open group starts now
       const int open_start = pos / g * g;
       if (open_start < open_start_ && pos % g != 0)
         throw std::invalid_argument("QuantizedKvCache: position " + std::to_string(pos) + " lies in a group of " +
@@ -101,7 +100,7 @@ class QuantizedKvCache final : public KvCache {
       backend_.write_rows(floats(layer, 1), layout_.width, positions, Ring::unbounded(), v, n, layout_.width);
       return;
     }
-    if (const int g = open_group_; g > 0) {  // keys appended to the open group as floats, coded a group at a time
+    if (const int g = open_group(); g > 0) {  // keys appended to the open group as floats, coded a group at a time
       float* open = open_keys(layer);
       backend_.copy(open + std::size_t(pos - open_start_) * key_layout_.width, k, std::size_t(n) * key_layout_.width);
       const int completed = (pos + n) / g - open_start_ / g;
@@ -125,7 +124,7 @@ class QuantizedKvCache final : public KvCache {
     }
     return view;
   }
-  bool replayable() const override { return open_group_ == 0; }
+  bool replayable() const override { return open_group() == 0; }
   int length() const override { return length_; }
   void clear() { length_ = 0, open_start_ = 0; }
 
@@ -164,16 +163,18 @@ class QuantizedKvCache final : public KvCache {
     return layout;
   }
   std::size_t open_floats(int rows) const { return std::size_t(rows) * key_layout_.width; }
+  // Positions of the open group (KIVI's): the int4 group, or 0 for none (per-token keys).
+  int open_group() const { return keys_ == Keys::kPerToken ? 0 : layout_.group; }
   // Room for `rows` open keys per layer, keeping the first `held` rows of each.
   void reserve_open_keys(int rows, int held) {
     if (open_floats(rows) * n_layers_ <= open_keys_.size()) return;
     Buffer larger(backend_, open_floats(rows) * n_layers_);
     for (int layer = 0; layer < n_layers_ && held > 0; ++layer)
       backend_.copy(larger.data() + layer * open_floats(rows), open_keys(layer), open_floats(held));
-    open_keys_ = std::move(larger), open_rows_ = rows;
+    open_keys_ = std::move(larger);
   }
   float* open_keys(int layer) const {
-    return const_cast<float*>(open_keys_.data()) + open_floats(open_rows_) * layer;
+    return const_cast<float*>(open_keys_.data()) + open_keys_.size() / n_layers_ * layer;
   }
   // Floats of one (layer, side) block's codes, rounded up to whole floats; the block: those, then the scales.
   static std::size_t code_floats(const CodedRows& layout, int max_positions) {
@@ -192,7 +193,7 @@ class QuantizedKvCache final : public KvCache {
     float* block = floats(layer, kv);
     rows.codes = reinterpret_cast<std::uint8_t*>(block);
     rows.scales = block + code_floats(rows, max_positions_);
-    if (kv == 0 && open_group_ > 0) rows.coded_rows = open_start_, rows.open_rows = open_keys(layer);
+    if (kv == 0 && open_group() > 0) rows.coded_rows = open_start_, rows.open_rows = open_keys(layer);
     return rows;
   }
 
@@ -203,9 +204,7 @@ class QuantizedKvCache final : public KvCache {
   std::size_t block_floats_, key_block_floats_;
   Buffer storage_;     // (layers, keys' block_floats + values' block_floats)
   Keys keys_;
-  int open_group_;     // positions of the open group (KIVI's), 0 for none
-  Buffer open_keys_;   // (layers, open_rows_, kv_dim) floats of the open group, from open_start_
-  int open_rows_ = 0;
+  Buffer open_keys_;   // (layers, rows held, kv_dim) floats of the open group, from open_start_
   int open_start_ = 0;  // the first position not coded yet (a multiple of the open group)
   IntBuffer all_positions_;  // kPerTokenOpen: 0 .. max_positions - 1, the rows a completed group is written to
   int length_ = 0;

@@ -174,9 +174,7 @@ __device__ void load_query(float (&query)[kElements], const float* query_row, co
 __device__ float key_element(const KvView& kv, int r, int key_pos, int query_pos, int kv_offset, int d, int head_dim) {
   if (!kv.read_rope) return kv.key(r, kv_offset + d);
   const float* cos_sin = kv.read_rope + std::size_t(rotary_key_position(query_pos, key_pos, kv.window)) * (head_dim / 2) * 2;
-  float pair[2] = {kv.key(r, kv_offset + (d & ~1)), kv.key(r, kv_offset + (d | 1))};
-  rope_rotate(pair, cos_sin + (d / 2) * 2);
-  return pair[d & 1];
+  return rope_rotated_element(kv.key(r, kv_offset + (d & ~1)), kv.key(r, kv_offset + (d | 1)), d, cos_sin + (d / 2) * 2);
 }
 
 // The scaled score q·k / sqrt(head_dim) of view row r (key at key_pos), the same in every lane of the warp.
