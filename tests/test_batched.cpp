@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -15,8 +16,10 @@
 #include "08_paged_batching/scheduler.h"
 #include "08_paged_batching/trace.h"
 #include "block_table.h"
+#include "cpu_backend.h"
 #include "generate.h"
 #include "reference_attention.h"
+#include "sampler.h"
 #include "test_backends.h"
 #include "test_util.h"
 #include "tokenizer.h"
@@ -195,8 +198,9 @@ TEST_CASE("block pool: exhaustion is refused, a double free and a shared block a
 }
 
 // Every sequence's logits in one batched call (a decode token for some, a prefill chunk for others) against
-// the same sequence alone. Not bit for bit: a product over B rows sums in another order than over one row
-// (Eigen's GEMM vs GEMV); the shipped model's logits are O(10), their float rounding ~1e-5 apart.
+// the same sequence alone. Not bit for bit: this call's 44 tokens are more than the CPU's few-token products
+// take (the test below), and Eigen's GEMM sums in another order than one token's product; the shipped
+// model's logits are O(10), their float rounding ~1e-5 apart.
 TEST_CASE("batched forward: each sequence's logits equal its logits alone within 1e-4, every backend") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   const ModelConfig& c = checkpoint.config();
@@ -230,6 +234,48 @@ TEST_CASE("batched forward: each sequence's logits equal its logits alone within
     const SequenceStep shared[] = {{b, 0, &cb}, {b, 3, &cb}};
     CHECK_THROWS_WITH(model.forward(shared), doctest::Contains("share one cache"));
   });
+}
+
+// On the CPU a decode step of up to 16 sequences is exact: its products go through cpu_backend.cpp's
+// few-token path, which sums every token's outputs in the order one token alone gets, and everything else
+// (norms, RoPE, attention over each sequence's own cache) is per token already. Three greedy steps of 2, 9
+// and 16 sequences (the few-token tiles hold 8 or 4 tokens: one pass and two) against each sequence alone.
+TEST_CASE("batched decode on the CPU: up to 16 sequences each get the very bits of their step alone") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const ModelConfig& c = checkpoint.config();
+  const std::string text = test::validation_text();
+  CpuBackend backend(2);
+  Model model(checkpoint, backend, 128, 256);
+  using Cache = ch03::PreallocatedKvCache;
+  for (const int sequences : {2, 9, 16}) {
+    CAPTURE(sequences);
+    std::vector<std::vector<int>> prompts;
+    std::vector<Cache> batched_caches, alone_caches;
+    std::vector<int> next(sequences);
+    for (int i = 0; i < sequences; ++i) {
+      prompts.push_back(encode_bytes(text.substr(std::size_t(i) * 150, std::size_t(5 + 7 * i))));
+      batched_caches.emplace_back(backend, c, 128);
+      alone_caches.emplace_back(backend, c, 128);
+      model.forward(prompts[i], 0, &batched_caches[i]);
+      const std::span<const float> logits = model.forward(prompts[i], 0, &alone_caches[i]);
+      next[i] = argmax(logits);
+    }
+    for (int step = 0; step < 3; ++step) {
+      CAPTURE(step);
+      std::vector<SequenceStep> batch;
+      for (int i = 0; i < sequences; ++i)
+        batch.push_back({std::span(next).subspan(std::size_t(i), 1), int(prompts[i].size()) + step, &batched_caches[i]});
+      const std::span<const float> got = model.forward(batch);
+      const std::vector<float> batched(got.begin(), got.end());
+      int identical = 0;
+      for (int i = 0; i < sequences; ++i) {
+        const std::span<const float> alone = model.forward(std::span(next).subspan(std::size_t(i), 1), batch[i].pos, &alone_caches[i]);
+        identical += std::memcmp(alone.data(), batched.data() + std::size_t(i) * c.vocab_size, c.vocab_size * sizeof(float)) == 0;
+        next[i] = argmax(alone);
+      }
+      CHECK(identical == sequences);
+    }
+  }
 }
 
 // The scheduler against each request alone: greedy tokens identical, for block sizes 1, 3 and 16, prompts

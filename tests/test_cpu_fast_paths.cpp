@@ -138,6 +138,41 @@ TEST_CASE("matmul: split into tasks of output columns, it equals a plain loop, a
   }
 }
 
+TEST_CASE("matmul: a token in a product of up to 16 tokens gets the bits it gets alone, in every tile and task") {
+  // cpu_backend.cpp's few-token product: tiles of 1 to 8 tokens (9 to 16: a second pass), d_in past a block
+  // of 16 by a remainder (257), outputs in whole tiles, narrower ones and a last partial packet (777, 5), and
+  // a product split into several tasks (d_in 300 x 1000 outputs). Each row of an n-token product must be
+  // the very bits of that row alone (chapter 08's batched decode relies on it), and near the plain loop.
+  struct Shape {
+    int d_in, d_out;
+  };
+  std::mt19937 gen(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const Shape s : {Shape{128, 384}, Shape{384, 128}, Shape{257, 777}, Shape{40, 5}, Shape{300, 1000}}) {
+    CAPTURE(s.d_in);
+    CAPTURE(s.d_out);
+    constexpr int kMost = 16;
+    std::vector<float> x(std::size_t(kMost) * s.d_in), w(std::size_t(s.d_out) * s.d_in);
+    for (float& v : x) v = normal(gen);
+    for (float& v : w) v = normal(gen);
+    CpuBackend cpu(2);
+    const float* weights = cpu.upload_matrix(w.data(), s.d_out, s.d_in);
+    std::vector<float> alone(std::size_t(kMost) * s.d_out);
+    for (int i = 0; i < kMost; ++i)
+      cpu.matmul(alone.data() + std::size_t(i) * s.d_out, x.data() + std::size_t(i) * s.d_in, weights, 1, s.d_in, s.d_out);
+    const std::vector<float> expected = plain_matmul(x, w, kMost, s.d_in, s.d_out);
+    float worst = 0;  // sums of up to 384 products of N(0, 1) values, as the test above: 1e-3
+    for (std::size_t i = 0; i < expected.size(); ++i) worst = std::max(worst, std::abs(alone[i] - expected[i]));
+    CHECK(worst <= 1e-3f);
+    for (int n = 2; n <= kMost; ++n) {
+      CAPTURE(n);
+      std::vector<float> batch(std::size_t(n) * s.d_out);
+      cpu.matmul(batch.data(), x.data(), weights, n, s.d_in, s.d_out);
+      CHECK(std::memcmp(batch.data(), alone.data(), batch.size() * sizeof(float)) == 0);
+    }
+  }
+}
+
 TEST_CASE("weights: the CPU backend holds exactly Model::weight_bytes, with a shared and with a separate classifier") {
   // The memory plan's weights (runtime.cpp) are Model::weight_bytes; what the backend really copies must be that.
   for (const bool shared : {true, false}) {
