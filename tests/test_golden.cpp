@@ -58,7 +58,7 @@ TEST_CASE("golden: C++ logits equal the PyTorch reference for MHA, GQA and MQA c
       CHECK(worst <= kTolerance);
 
       // Asking for the last position only gives that same row - not bit for bit: one row goes through
-      // a matrix-vector product, many rows through a GEMM, and they sum in different orders.
+      // the CPU's few-token product (a GPU's gemv), many rows through a GEMM, and they sum in different orders.
       const std::vector<float> last_row(all.end() - golden.vocab, all.end());
       const auto last = model.forward(golden.tokens, 0, nullptr, Logits::kLastPosition);
       CHECK(max_abs_diff(last, last_row) <= kTolerance);
