@@ -171,21 +171,24 @@ OneQueryKernel one_query_kernel(int head_dim) {
 // weight matrix (upload_matrix), its rows w_stride floats apart. Why not Eigen: it takes one token through its
 // GEMV and two or more through its GEMM, which first copies ("packs") the weight slice it will read - for a
 // few tokens that copy costs more than the product: a decode step of two sequences took 2.7x the time of
-// one (book 08). Here each packet of weights is loaded once and multiplied into the sums of up to
-// kTileTokens tokens (more: the slice read again, from cache), kAccumulators packets of sums in registers: a
-// tile of one token spans 8 packets of outputs, of two tokens 8 or 4, of more tokens fewer.
+// one (0.147 against 0.053 ms, book 08 before this path). Here each packet of weights is loaded once and multiplied into the sums of up to
+// kTileTokens tokens (more: the slice read again, from cache), with up to kAccumulators packets of running
+// sums: a tile of one token spans 8 packets of outputs, of two tokens 8 or 4, of more tokens fewer. (The
+// totals, as many packets again, may not all fit in registers beside them; the compiler keeps the rest on the
+// stack, in L1, where Eigen's GEMV keeps all of its totals.)
 // Every output element is the same sum whatever n and whatever tile computes it: its inputs in blocks of
 // kSumBlock, each block summed from zero by multiply-adds in input order, then added to the element's total.
-// That is the order of Eigen 3.4's GEMV for d_in >= 128 (GeneralMatrixVector.h), so one token of the shipped
-// model gets the bits it got before; and a token in a batch gets the bits it gets alone (tested): chapter 08's
+// That is the order of Eigen 3.4's GEMV for d_in >= 128 and d_out < 8000 (GeneralMatrixVector.h: blocks of 16
+// columns of its matrix; whole products below 128, blocks of 4 above 8000), so one token of the shipped model
+// gets the bits it got before (tested against Eigen); and a token in a batch gets the bits it gets alone (tested): chapter 08's
 // decode step of up to kFewTokens sequences computes each one exactly as a step of that sequence alone.
 // kFewTokens = 16, measured (one thread, AMD EPYC, AVX-512): on the shipped model this path beat Eigen's GEMM
-// at every n tried up to 1024; on a synthetic model of dim 1024 at 16 tokens (58 against 72 ms) but not at 32
-// (155-204 against 109-121 ms), where the slice's rows, kilobytes apart, stop sharing the cache well and GEMM's packing
-// pays for itself.
+// at every n tried up to 1024; on a synthetic model of dim 1024 (03_benchmark --synthetic 1024,8,8,4) a prefill
+// of 16 tokens took 58 ms against GEMM's 72, of 32 tokens 155-204 against 109-121: there a task's weight rows
+// lie kilobytes apart, each re-read per tile stops coming from cache, and GEMM's packing pays for itself.
 constexpr int kFewTokens = 16;
 #ifdef EIGEN_VECTORIZE_AVX512
-constexpr int kTileTokens = 8, kAccumulators = 16;  // 32 registers: 16 of sums, the rest for weights and inputs
+constexpr int kTileTokens = 8, kAccumulators = 16;  // 32 registers
 #else
 constexpr int kTileTokens = 4, kAccumulators = 8;  // 16 registers (SSE, AVX)
 #endif
@@ -254,7 +257,7 @@ void few_token_product(float* out, int out_stride, const float* x, int n, int d_
   for (int t = 0; t < n; t += kTileTokens) {
     float* o = out + std::size_t(t) * out_stride;
     const float* xt = x + std::size_t(t) * d_in;
-    switch (std::min(kTileTokens, n - t)) {
+    switch (std::min(kTileTokens, n - t)) {  // 5 to 8 only where kTileTokens is 8 (AVX-512)
       case 1: few_token_rows<1>(o, out_stride, xt, d_in, w, w_stride, columns); break;
       case 2: few_token_rows<2>(o, out_stride, xt, d_in, w, w_stride, columns); break;
       case 3: few_token_rows<3>(o, out_stride, xt, d_in, w, w_stride, columns); break;
@@ -355,8 +358,8 @@ void CpuBackend::matmul(float* out, const float* x, const float* w, int n, int d
   const int columns_per_task = matmul_columns_per_task(n, d_in, d_out);
   pool_->run((d_out + columns_per_task - 1) / columns_per_task, [&](int task) {
     const int first = task * columns_per_task, columns = std::min(columns_per_task, d_out - first);
-    if (n <= kFewTokens) return few_token_product(out + first, d_out, x, n, d_in, w + first, d_out, columns);
     // w is wᵀ (d_in, d_out) (upload_matrix): this task's output columns are its columns [first, first + columns).
+    if (n <= kFewTokens) return few_token_product(out + first, d_out, x, n, d_in, w + first, d_out, columns);
     Eigen::Map<const RowMajor, 0, Strided> W_T(w + first, d_in, columns, Strided(d_out));  // (d_in, columns)
     Eigen::Map<RowMajor, 0, Strided> Out(out + first, n, columns, Strided(d_out));       // (n, columns)
     // More tokens than kFewTokens: Eigen's GEMM (it packs the slice once for them all).

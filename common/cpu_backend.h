@@ -1,7 +1,7 @@
 #pragma once
-// The CPU backend: Eigen's GEMM for many positions and its own few-token product (up to 16: a decode step
-// of one sequence or a small batch) over weight matrices it stores transposed; a team of threads of its own (worker_pool.h) splits products by output columns and attention
-// by head (a decode step: by KV head).
+// The CPU backend: Eigen's GEMM for many positions and its own few-token product for up to 16 (a decode
+// step of one sequence or of a small batch), over weight matrices it stores transposed; a team of threads of
+// its own (worker_pool.h) splits products by output columns and attention by head (a decode step: by KV head).
 #include <cstdint>
 #include <memory>
 #include <vector>

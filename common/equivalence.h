@@ -5,7 +5,7 @@
 //
 // Per-step logits must agree within kLogitTolerance. Why not bit for bit: naive recomputes each position's
 // keys with a matrix-matrix product over the whole sequence, the cache computed them once with a
-// matrix-vector product (or a GEMM over a chunk); the sums run in other orders, which leaves differences
+// product over one token (or over a chunk); the sums run in other orders, which leaves differences
 // of about 1e-5 on logits of magnitude ~10. Any real error - a row written at the wrong position, a
 // missing key, a wrong mask - moves logits by much more than 1e-3.
 // Greedy tokens are compared up to the first near-tie: a step where the reference's two best logits are

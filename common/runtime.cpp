@@ -108,7 +108,8 @@ MemoryPlan plan_memory(const Checkpoint& checkpoint, const Backend& backend, int
 
 std::string MemoryPlan::describe() const {
   std::string line = "memory: weights " + format_bytes(double(weights)) + " + working buffers " +
-                     format_bytes(double(working)) + " for " + std::to_string(positions) + " positions";
+                     format_bytes(double(working)) + " for " + std::to_string(positions) +
+                     (positions == 1 ? " position" : " positions");
   if (kv_cache > 0) line += " + KV cache " + format_bytes(double(kv_cache));
   if (host_weights > 0) line += " + generated weights on the host " + format_bytes(double(host_weights));
   if (other > 0) line += " + " + other_what + " " + format_bytes(double(other));

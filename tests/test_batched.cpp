@@ -198,7 +198,7 @@ TEST_CASE("block pool: exhaustion is refused, a double free and a shared block a
 }
 
 // Every sequence's logits in one batched call (a decode token for some, a prefill chunk for others) against
-// the same sequence alone. Not bit for bit: this call's 44 tokens are more than the CPU's few-token products
+// the same sequence alone. Not bit for bit: this call's 64 tokens are more than the CPU's few-token products
 // take (the test below), and Eigen's GEMM sums in another order than one token's product; the shipped
 // model's logits are O(10), their float rounding ~1e-5 apart.
 TEST_CASE("batched forward: each sequence's logits equal its logits alone within 1e-4, every backend") {
@@ -239,7 +239,8 @@ TEST_CASE("batched forward: each sequence's logits equal its logits alone within
 // On the CPU a decode step of up to 16 sequences is exact: its products go through cpu_backend.cpp's
 // few-token path, which sums every token's outputs in the order one token alone gets, and everything else
 // (norms, RoPE, attention over each sequence's own cache) is per token already. Three greedy steps of 2, 9
-// and 16 sequences (the few-token tiles hold 8 or 4 tokens: one pass and two) against each sequence alone.
+// and 16 sequences (tiles of 8 tokens with AVX-512, else 4: one pass and two, or up to four) against each
+// sequence alone.
 TEST_CASE("batched decode on the CPU: up to 16 sequences each get the very bits of their step alone") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   const ModelConfig& c = checkpoint.config();

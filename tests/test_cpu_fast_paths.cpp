@@ -4,6 +4,8 @@
 // depend on the thread count, bit for bit; and the weights the backend copies are the bytes the plan counts.
 #include <doctest/doctest.h>
 
+#include <Eigen/Core>
+
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -139,7 +141,7 @@ TEST_CASE("matmul: split into tasks of output columns, it equals a plain loop, a
 }
 
 TEST_CASE("matmul: a token in a product of up to 16 tokens gets the bits it gets alone, in every tile and task") {
-  // cpu_backend.cpp's few-token product: tiles of 1 to 8 tokens (9 to 16: a second pass), d_in past a block
+  // cpu_backend.cpp's few-token product: tiles of 1 to 8 tokens (AVX-512; else 1 to 4), 9 to 16 in more passes, d_in past a block
   // of 16 by a remainder (257), outputs in whole tiles, narrower ones and a last partial packet (777, 5), and
   // a product split into several tasks (d_in 300 x 1000 outputs). Each row of an n-token product must be
   // the very bits of that row alone (chapter 08's batched decode relies on it), and near the plain loop.
@@ -170,6 +172,32 @@ TEST_CASE("matmul: a token in a product of up to 16 tokens gets the bits it gets
       cpu.matmul(batch.data(), x.data(), weights, n, s.d_in, s.d_out);
       CHECK(std::memcmp(batch.data(), alone.data(), batch.size() * sizeof(float)) == 0);
     }
+  }
+}
+
+TEST_CASE("matmul: one token gets the very bits of Eigen's matrix-vector product, which the book's single-sequence runs used") {
+  // cpu_backend.cpp's few-token product sums in the order of Eigen 3.4's GEMV for d_in >= 128 (blocks of 16
+  // inputs), so chapters 00-07's logits and texts did not move when it replaced GEMV. The shipped model's four
+  // shapes (q/o, k/v, w1/w3, w2; the classifier) and one of chapter 07's synthetic shapes.
+  using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  std::mt19937 gen(13);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  struct Shape {
+    int d_in, d_out;
+  };
+  for (const Shape s : {Shape{128, 128}, Shape{128, 64}, Shape{128, 384}, Shape{384, 128}, Shape{128, 256}, Shape{2048, 5632}}) {
+    const int d_in = s.d_in, d_out = s.d_out;
+    CAPTURE(d_in);
+    CAPTURE(d_out);
+    std::vector<float> x(d_in), w(std::size_t(d_out) * d_in), ours(d_out), eigen(d_out);
+    for (float& v : x) v = normal(gen);
+    for (float& v : w) v = normal(gen);
+    CpuBackend cpu(1);
+    const float* transposed = cpu.upload_matrix(w.data(), d_out, d_in);  // (d_in, d_out), host memory
+    cpu.matmul(ours.data(), x.data(), transposed, 1, d_in, d_out);
+    Eigen::Map<RowMajor>(eigen.data(), 1, d_out).noalias() =
+        Eigen::Map<const RowMajor>(x.data(), 1, d_in) * Eigen::Map<const RowMajor>(transposed, d_in, d_out);
+    CHECK(std::memcmp(ours.data(), eigen.data(), ours.size() * sizeof(float)) == 0);
   }
 }
 

@@ -66,7 +66,7 @@ Generation generate_with(const Lab& lab, KvCache& cache, std::span<const int> pr
 }
 
 std::string generated_text(const Generation& g, std::size_t prompt_tokens) {
-  return decode_bytes(std::vector<int>(g.tokens.begin() + prompt_tokens, g.tokens.end()));
+  return decode_bytes(std::span(g.tokens).subspan(prompt_tokens));
 }
 
 // The held-out text cut at a line start at or after `offset`.

@@ -58,14 +58,18 @@ void check_requests(const Model& model, const BlockPool& pool, const std::vector
 void check_block_ownership(const BlockPool& pool, const std::vector<const PagedSequence*>& sequences,
                            std::vector<int>& holders) {
   holders.assign(pool.blocks(), 0);  // free-list entries and table entries per block
-  auto hold = [&](int block, const std::string& by) {
+  // sequence: the running sequence whose table holds the block, -1 for the free list (the message is built
+  // only when it throws: this runs before every audited step, over every block)
+  auto hold = [&](int block, int sequence) {
     if (block < 0 || block >= pool.blocks() || ++holders[block] > 1)
-      throw std::logic_error("block " + std::to_string(block) + " is handed out twice (" + by +
+      throw std::logic_error("block " + std::to_string(block) + " is handed out twice (" +
+                             (sequence < 0 ? std::string("the free list")
+                                           : "the block table of running sequence " + std::to_string(sequence)) +
                              "): two sequences would write each other's keys and values");
   };
-  for (int block : pool.free_list()) hold(block, "the free list");
+  for (int block : pool.free_list()) hold(block, -1);
   for (std::size_t s = 0; s < sequences.size(); ++s)
-    for (int block : sequences[s]->blocks()) hold(block, "the block table of running sequence " + std::to_string(s));
+    for (int block : sequences[s]->blocks()) hold(block, int(s));
 }
 
 std::vector<int> serve_alone(Model& model, const Request& request, PoolFormat format, int block_size,
