@@ -326,6 +326,54 @@ TEST_CASE("scheduler: every request's greedy tokens equal the request served alo
   for (std::size_t i = 0; i < requests.size(); ++i) CHECK(results[i].output == serve_alone(model, requests[i]));
 }
 
+// The admission watermark (SchedulerOptions::watermark_blocks): two requests of one 16-position prompt block each,
+// a pool of 4 blocks. The first is admitted into an empty pool (3 free after it); the second only if its block
+// leaves at least the watermark free: 2 admits it (1 left), 3 holds it back until the first has finished. A
+// watermark larger than the pool must not starve anyone: with nothing running it does not apply. Outputs equal
+// each request alone every time.
+TEST_CASE("scheduler: a watermark keeps blocks free at admission while sequences run, and never starves a request") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const std::string text = test::validation_text();
+  CpuBackend cpu(test::test_threads());
+  Model model(checkpoint, cpu, 64, checkpoint.config().seq_len);
+  const std::vector<Request> requests{Request{encode_bytes(text.substr(300, 16)), 8, 0},
+                                      Request{encode_bytes(text.substr(4000, 16)), 8, 0}};
+  std::vector<std::vector<int>> expected;
+  for (const Request& r : requests) expected.push_back(serve_alone(model, r));
+  for (const auto& [watermark, together] : {std::pair{0, 2}, std::pair{2, 2}, std::pair{3, 1}, std::pair{100, 1}}) {
+    CAPTURE(watermark);
+    BlockPool pool(cpu, model.config(), 4, 16, 2, model.config().seq_len);
+    std::vector<RequestResult> results;
+    const RunStats stats = serve(model, pool, requests, SchedulerOptions{.max_batch = 2, .token_budget = 32,
+                                                                         .watermark_blocks = watermark}, results);
+    CHECK(stats.peak_running == together);
+    CHECK(stats.preemptions == 0);
+    for (std::size_t i = 0; i < requests.size(); ++i) CHECK(results[i].output == expected[i]);
+    CHECK(pool.free_blocks() == pool.blocks());
+  }
+}
+
+// The binary's preemption experiment: the small pool at watermarks 0, 1, 2, 4 and 8 (counts deterministic for
+// these requests: 3 preemptions without a watermark, none with 8), every output the unconstrained run's; and
+// --watermark refused there with one line, since the experiment sets it itself.
+TEST_CASE("08_paged_batching --experiment preemption: watermarks 0 to 8 preempt less, outputs unchanged") {
+  const std::string bin = std::string(KVS_BIN_DIR) + "/08_paged_batching";
+  const std::string run = bin + " --experiment preemption --requests 8 --prompt-lengths 16,32 --output-lengths 8,16 --kv-memory 200KiB";
+  const auto r = test::run_command(run);
+  CHECK(r.exit_code == 0);
+  for (const char* row : {"watermark 0:", "watermark 1:", "watermark 2:", "watermark 4:", "watermark 8:"}) CHECK(r.err.find(row) != std::string::npos);
+  CHECK(r.err.find("5 blocks, watermark 0:    55 steps") != std::string::npos);
+  CHECK(r.err.find("3 preemptions,     88 tokens recomputed") != std::string::npos);
+  CHECK(r.err.find("5 blocks, watermark 8:   100 steps") != std::string::npos);
+  std::size_t identical = 0;
+  for (std::size_t at = r.err.find("8 of 8 outputs identical"); at != std::string::npos; at = r.err.find("8 of 8 outputs identical", at + 1)) ++identical;
+  CHECK(identical == 6);
+  const auto refused = test::run_command(run + " --watermark 2");
+  CHECK(refused.exit_code == 2);
+  CHECK(std::count(refused.err.begin(), refused.err.end(), '\n') == 1);
+  CHECK(refused.err.find("drop --watermark") != std::string::npos);
+}
+
 TEST_CASE("scheduler: a request that can never fit is refused before anything runs, naming it") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   CpuBackend cpu(1);

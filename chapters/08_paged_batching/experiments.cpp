@@ -262,21 +262,32 @@ int preemption(Setup& s) {
   s.rt.plan_kv_cache(std::max(everyone, s.kv_memory));  // the larger pool, one at a time (--memory-limit)
   std::fprintf(stderr, "%zu requests; a pool of %s (every request at once) against one of %s\n", s.requests.size(),
                format_bytes(double(everyone)).c_str(), format_bytes(double(s.kv_memory)).c_str());
-  CsvWriter csv({"--csv", s.csv}, "pool_bytes,blocks,steps,total_ms,tokens_per_s,preemptions,recomputed_tokens,identical_outputs",
+  CsvWriter csv({"--csv", s.csv},
+                "pool_bytes,blocks,watermark_blocks,steps,total_ms,tokens_per_s,preemptions,recomputed_tokens,identical_outputs",
                 s.rt.inputs());
   std::vector<std::vector<int>> unconstrained;
-  for (std::int64_t bytes : {everyone, s.kv_memory}) {
-    BlockPool pool = make_pool(s, s.block_size, bytes, s.options.max_batch);
+  // The small pool again with a watermark of 1, 2, 4 and 8 blocks (SchedulerOptions::watermark_blocks): fewer
+  // preemptions, paid for with fewer sequences a step.
+  struct Run {
+    std::int64_t bytes;
+    int watermark;
+  };
+  for (const Run run : {Run{everyone, 0}, Run{s.kv_memory, 0}, Run{s.kv_memory, 1}, Run{s.kv_memory, 2},
+                        Run{s.kv_memory, 4}, Run{s.kv_memory, 8}}) {
+    BlockPool pool = make_pool(s, s.block_size, run.bytes, s.options.max_batch);
     std::vector<RequestResult> results;
-    Progress progress(format_bytes(double(bytes)) + " pool", "requests finished");
-    const RunStats stats = serve(s.rt.model, pool, s.requests, s.options, results, report_to(progress));
+    Progress progress(format_bytes(double(run.bytes)) + " pool", "requests finished");
+    SchedulerOptions options = s.options;
+    options.watermark_blocks = run.watermark;
+    const RunStats stats = serve(s.rt.model, pool, s.requests, options, results, report_to(progress));
     if (unconstrained.empty()) unconstrained = outputs_of(results);
     const int same = count_identical(results, unconstrained);
-    std::fprintf(stderr, "%10s, %5d blocks: %5d steps, %7.0f ms, %6.0f tokens/s, %4d preemptions, %6ld tokens recomputed; "
-                         "%d of %zu outputs identical to the unconstrained run\n", format_bytes(double(bytes)).c_str(),
-                 pool.blocks(), stats.steps, stats.wall_ms, stats.tokens_per_s(), stats.preemptions, stats.recomputed_tokens,
-                 same, results.size());
-    csv.row(bytes, pool.blocks(), stats.steps, stats.wall_ms, stats.tokens_per_s(), stats.preemptions, stats.recomputed_tokens, same);
+    std::fprintf(stderr, "%10s, %5d blocks, watermark %d: %5d steps, %7.0f ms, %6.0f tokens/s, %4d preemptions, %6ld tokens "
+                         "recomputed, up to %2d sequences a step; %d of %zu outputs identical to the unconstrained run\n",
+                 format_bytes(double(run.bytes)).c_str(), pool.blocks(), run.watermark, stats.steps, stats.wall_ms,
+                 stats.tokens_per_s(), stats.preemptions, stats.recomputed_tokens, stats.peak_running, same, results.size());
+    csv.row(run.bytes, pool.blocks(), run.watermark, stats.steps, stats.wall_ms, stats.tokens_per_s(), stats.preemptions,
+            stats.recomputed_tokens, same);
     // A coded pool: batching differently (here, other sequences at each step) may part an output at a near-tie.
     if (same != static_cast<int>(results.size()) &&
         (s.format.format == KvFormat::kFp32 || unexplained_partings(s, results, unconstrained) > 0))

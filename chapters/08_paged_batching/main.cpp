@@ -18,7 +18,7 @@ int main(int argc, char** argv) {
   kvs::ch08::TraceShape shape;
   float mean_gap = 0;
   std::uint64_t seed = 1;
-  int block_size = 16, max_batch = 64, token_budget = 256, int4_group = 32;
+  int block_size = 16, max_batch = 64, token_budget = 256, int4_group = 32, watermark = 0;
   kvs::ch08::PoolFormat pool_format;
   std::int64_t kv_memory = std::int64_t{32} << 20;
   kvs::ArgParser parser(
@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
       "--experiment: serve (default: serve the trace, then check every output against the request served\n"
       "alone), throughput (decode step time and tokens/s per batch size, against the roofline), memory\n"
       "(reserved vs live K/V per block size, and a max-length reservation), batching (continuous vs static),\n"
-      "preemption (a small pool: outputs unchanged, tokens recomputed), break (a block freed twice).\n"
+      "preemption (a small pool: outputs unchanged, tokens recomputed; watermarks 0-8), break (a block freed twice).\n"
       "Requests: --trace FILE, " + std::string(kvs::ch08::kTraceFormat) + ";\n"
       "or --requests N drawn from data/kjv/valid.txt (prompt and output lengths uniform in the given ranges,\n"
       "arrival gaps exponential with mean --mean-gap steps, all fixed by --seed). Text goes to stdout, tables\n"
@@ -51,6 +51,7 @@ int main(int argc, char** argv) {
   parser.add_string("--batching", "KIND", "continuous (default) or static", &batching);
   parser.add_int("--max-batch", "sequences in one step (default 64)", &max_batch, 1, 4096);
   parser.add_int("--token-budget", "tokens in one step, decode tokens and prompt chunks (default 256)", &token_budget, 1, 1 << 16);
+  parser.add_int("--watermark", "blocks an admission leaves free while sequences run (default 0)", &watermark, 0, 1 << 30);
   parser.add_string("--batch-sizes", "LIST", "throughput: batch sizes (default 1,2,4,8,16,32,64)", &batch_sizes);
   parser.add_string("--block-sizes", "LIST", "memory: block sizes besides the max-length reservation (default 1,4,16,64,256)",
                     &block_sizes);
@@ -62,6 +63,10 @@ int main(int argc, char** argv) {
   parser.add_check([&] {
     if (kvs::parse_kv_format(kv_format, pool_format.format)) return std::string();
     return "--kv-format " + kv_format + " is not one of fp32, fp16, bf16, int8, int4";
+  });
+  parser.add_check([&] {
+    if (experiment != "preemption" || !parser.given("--watermark")) return std::string();
+    return std::string("--experiment preemption runs watermarks 0, 1, 2, 4 and 8 itself: drop --watermark");
   });
   parser.add_check([&] {
     if (batching == "continuous" || batching == "static") return std::string();
@@ -118,7 +123,8 @@ int main(int argc, char** argv) {
                            .format = pool_format,
                            .options = {.batching = batching == "static" ? kvs::ch08::Batching::kStatic
                                                                         : kvs::ch08::Batching::kContinuous,
-                                       .max_batch = max_batch, .token_budget = token_budget},
+                                       .max_batch = max_batch, .token_budget = token_budget,
+                                       .watermark_blocks = watermark},
                            .batch_sizes = batch_list, .block_sizes = block_list, .csv = options.csv};
     std::cerr << rt.describe() << "\n";
     try {

@@ -164,7 +164,8 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
       const int before = caches.available_blocks();
       std::unique_ptr<PagedSequence> cache = caches.start(tokens);  // may hold cached blocks already (chapter 09)
       const int held = before - caches.available_blocks();  // cached blocks no one held before it took them
-      if (cache->blocks_to_grow(static_cast<int>(tokens.size()) - cache->length()) > free_blocks - held) {
+      const int keep_free = running.empty() ? 0 : options.watermark_blocks;
+      if (cache->blocks_to_grow(static_cast<int>(tokens.size()) - cache->length()) > free_blocks - held - keep_free) {
         cache.reset();                  // (its cached blocks go back to the free queue, as recently used)
         resume[r] = std::move(tokens);  // (a preempted request keeps its place and its tokens)
         break;

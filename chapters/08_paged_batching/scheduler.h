@@ -40,6 +40,12 @@ struct SchedulerOptions {
   Batching batching = Batching::kContinuous;
   int max_batch = 64;      // sequences in one step
   int token_budget = 256;  // tokens in one step, decode tokens and prefill chunks together
+  // Blocks an admission must leave free while other sequences run (vLLM's watermark): a request admitted into
+  // the pool's last free blocks is the first preempted when the running ones grow (the most recently admitted
+  // goes first), its prefill thrown away; a few blocks held back give the running sequences room to grow. With
+  // nothing running it does not apply (there is no one to make room for, and a request that fits the pool
+  // must not wait forever).
+  int watermark_blocks = 0;
   // Before every step, check that each block of the pool is either free or held by exactly one sequence
   // (check_block_ownership); off only to watch chapter 08's break experiment do its damage.
   bool audit_blocks = true;
