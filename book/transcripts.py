@@ -69,6 +69,20 @@ def machine_line(gpu=None):
             f"Timings differ on your machine; counts, bytes and text do not.</sub>")
 
 
+# What --check adds to one experiment of one binary to make it quick.
+EXPERIMENT_SHRINK = {
+    ("05_break_corrupt_key", "sweep"): " --prompts 1 --seeds 1 --max-new-tokens 8",
+    ("06_break_off_by_one", "probes"): " --prompts 2 --probe-tokens 5,20",
+    ("09_prefix_sharing", "prefix"): " --counts 1,2 --prefix-length 256",
+    ("09_prefix_sharing", "sampling"): " --counts 1,2",
+    ("09_prefix_sharing", "mixed"): " --requests 8",
+    ("10_quantized_cache", "quality"): " --text-bytes 4096",
+    ("10_quantized_cache", "speed"): " --contexts 64 --steps 5",
+    ("10_quantized_cache", "recall"): " --distances 200",
+    ("10_quantized_cache", "channels"): " --text-bytes 256",
+}
+
+
 def shrink(command):
     """The same command with settings that make it quick (--check)."""
     command = re.sub(r"--max-new-tokens \d+", lambda m: "--max-new-tokens 8", command)
@@ -82,10 +96,9 @@ def shrink(command):
             command += " --windows full,8 --max-bytes 2048" if "--windows" not in command else " --max-bytes 2048"
         if "--experiment stream" in command:
             command += " --stream-bytes 2100"
-    if "05_break_corrupt_key" in command and "--experiment sweep" in command:
-        command += " --prompts 1 --seeds 1 --max-new-tokens 8"
-    if "06_break_off_by_one" in command and "--experiment probes" in command:
-        command += " --prompts 2 --probe-tokens 5,20"
+    for (binary, experiment), extra in EXPERIMENT_SHRINK.items():
+        if binary in command and f"--experiment {experiment}" in command:
+            command += extra
     if "busy_machine.sh" in command:
         command = re.sub(r"--runs \d+", "--runs 1", command) + " --tokens 20"
     if "08_paged_batching" in command:
@@ -96,22 +109,6 @@ def shrink(command):
             command += " --batch-sizes 1,2"
         if "--experiment memory" in command and "--block-sizes" not in command:
             command += " --block-sizes 16"
-    if "09_prefix_sharing" in command:
-        if "--experiment prefix" in command:
-            command += " --counts 1,2 --prefix-length 256"
-        if "--experiment sampling" in command:
-            command += " --counts 1,2"
-        if "--experiment mixed" in command:
-            command += " --requests 8"
-    if "10_quantized_cache" in command:
-        if "--experiment quality" in command:
-            command += " --text-bytes 4096"
-        if "--experiment speed" in command:
-            command += " --contexts 64 --steps 5"
-        if "--experiment recall" in command:
-            command += " --distances 200"
-        if "--experiment channels" in command:
-            command += " --text-bytes 256"
     if "kvs_tests" in command:
         command += " --list-test-cases"
     return command

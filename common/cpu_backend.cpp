@@ -167,25 +167,25 @@ OneQueryKernel one_query_kernel(int head_dim) {
 }
 
 // ---- products for a few tokens (decode steps, small batches) ----
-// out (n, columns) = x (n, d_in) · W_T (d_in, columns) for n <= kFewTokens, W_T a slice of a transposed
-// weight matrix (upload_matrix), its rows w_stride floats apart. Why not Eigen: it takes one token through its
-// GEMV and two or more through its GEMM, which first copies ("packs") the weight slice it will read - for a
-// few tokens that copy costs more than the product: a decode step of two sequences took 2.7x the time of
-// one (0.147 against 0.053 ms, book 08 before this path). Here each packet of weights is loaded once and multiplied into the sums of up to
-// kTileTokens tokens (more: the slice read again, from cache), with up to kAccumulators packets of running
-// sums: a tile of one token spans 8 packets of outputs, of two tokens 8 or 4, of more tokens fewer. (The
-// totals, as many packets again, may not all fit in registers beside them; the compiler keeps the rest on the
-// stack, in L1, where Eigen's GEMV keeps all of its totals.)
-// Every output element is the same sum whatever n and whatever tile computes it: its inputs in blocks of
-// kSumBlock, each block summed from zero by multiply-adds in input order, then added to the element's total.
-// That is the order of Eigen 3.4's GEMV for d_in >= 128 and d_out < 8000 (GeneralMatrixVector.h: blocks of 16
-// columns of its matrix; whole products below 128, blocks of 4 above 8000), so one token of the shipped model
-// gets the bits it got before (tested against Eigen); and a token in a batch gets the bits it gets alone (tested): chapter 08's
-// decode step of up to kFewTokens sequences computes each one exactly as a step of that sequence alone.
-// kFewTokens = 16, measured (one thread, AMD EPYC, AVX-512): on the shipped model this path beat Eigen's GEMM
-// at every n tried up to 1024; on a synthetic model of dim 1024 (03_benchmark --synthetic 1024,8,8,4) a prefill
-// of 16 tokens took 58 ms against GEMM's 72, of 32 tokens 155-204 against 109-121: there a task's weight rows
-// lie kilobytes apart, each re-read per tile stops coming from cache, and GEMM's packing pays for itself.
+// out (n, columns) = x (n, d_in) · W_T (d_in, columns) for n <= kFewTokens, W_T a slice of a transposed weight
+// matrix (upload_matrix), its rows w_stride floats apart. Why not Eigen: it takes one token through its GEMV and
+// two or more through its GEMM, which first copies ("packs") the weight slice it will read - for a few tokens that
+// copy costs more than the product: a decode step of two sequences took 2.7x the time of one (0.147 against 0.053
+// ms, book 08 before this path). Here each packet of weights is loaded once and multiplied into the sums of up to
+// kTileTokens tokens (more: the slice read again, from cache), with up to kAccumulators packets of running sums: a
+// tile of one token spans 8 packets of outputs, of two tokens 8 or 4, of more tokens fewer. (The totals, as many
+// packets again, may not all fit in registers beside them; the compiler keeps the rest on the stack, in L1, where
+// Eigen's GEMV keeps all of its totals.)
+// Every output element is the same sum whatever n and whatever tile computes it: its inputs in blocks of kSumBlock,
+// each block summed from zero by multiply-adds in input order, then added to the element's total. That is the order
+// of Eigen 3.4's GEMV for d_in >= 128 and d_out < 8000 (GeneralMatrixVector.h: blocks of 16 columns of its matrix;
+// whole products below 128, blocks of 4 above 8000), so one token of the shipped model gets the bits it got before
+// (tested against Eigen); and a token in a batch gets the bits it gets alone (tested): chapter 08's decode step of
+// up to kFewTokens sequences computes each one exactly as a step of that sequence alone.
+// kFewTokens = 16, measured (one thread, AMD EPYC, AVX-512): on the shipped model this path beat Eigen's GEMM at
+// every n tried up to 1024; on a synthetic model of dim 1024 (03_benchmark --synthetic 1024,8,8,4) a prefill of 16
+// tokens took 58 ms against GEMM's 72, of 32 tokens 155-204 against 109-121: there a task's weight rows lie
+// kilobytes apart, each re-read per tile stops coming from cache, and GEMM's packing pays for itself.
 constexpr int kFewTokens = 16;
 #ifdef EIGEN_VECTORIZE_AVX512
 constexpr int kTileTokens = 8, kAccumulators = 16;  // 32 registers
