@@ -58,8 +58,9 @@ class Model {
   // the same operations. What a sequence gets inside a batch equals what it gets alone up to the summation
   // order of the products, which may depend on how many rows a product has (CPU: its few-token product up
   // to 16 rows, which sums each row as it would alone, so a call of up to 16 decode tokens is bit for bit
-  // each sequence alone; Eigen's blocked matrix product above; GPU: gemv_kernel up to fused_tokens(), cuBLAS
-  // above): the same greedy tokens, logits within a few 1e-5 (tests/test_batched.cpp measures both).
+  // each sequence alone; Eigen's blocked matrix product above; CUDA: gemv_kernel up to fused_tokens() = 8,
+  // which also sums each token as it would alone, cuBLAS above): the same greedy tokens, logits within a few
+  // 1e-5 (tests/test_batched.cpp measures both).
   // When it throws: a call refused by its checks (tokens, positions, caches) touches no cache; one that
   // throws later - a cache's prepare() (a pool out of blocks) or a view larger than the model was set up for
   // - may leave earlier sequences of the batch prepared for positions never written: discard those caches

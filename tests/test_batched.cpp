@@ -236,47 +236,51 @@ TEST_CASE("batched forward: each sequence's logits equal its logits alone within
   });
 }
 
-// On the CPU a decode step of up to 16 sequences is exact: its products go through cpu_backend.cpp's
-// few-token path, which sums every token's outputs in the order one token alone gets, and everything else
-// (norms, RoPE, attention over each sequence's own cache) is per token already. Three greedy steps of 2, 9
-// and 16 sequences (tiles of 8 tokens with AVX-512, else 4: one pass and two, or up to four) against each
-// sequence alone.
-TEST_CASE("batched decode on the CPU: up to 16 sequences each get the very bits of their step alone") {
+// A decode step of a few sequences is exact: each sequence gets the bits of its step alone. On the CPU up to 16
+// sequences: cpu_backend.cpp's few-token products sum every token's outputs in the order one token alone gets
+// (three steps of 2, 9 and 16 sequences: tiles of 8 tokens with AVX-512, else 4 - one pass and two, or up to
+// four). On the CUDA kernels up to fused_tokens() = 8: gemv_kernel sums each token's products in the same
+// order whichever of its 1, 2, 4, 8-token forms runs (each token's sums its own, the warp's reduce-scatter adds
+// the same pairs of lanes as a plain warp sum, and addition is commutative), so 2, 3 and 8 sequences. Everything
+// else (norms, RoPE, attention over each sequence's own cache) is per token already.
+TEST_CASE("batched decode: a few sequences each get the very bits of their step alone, every backend") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   const ModelConfig& c = checkpoint.config();
   const std::string text = test::validation_text();
-  CpuBackend backend(2);
-  Model model(checkpoint, backend, 128, 256);
-  using Cache = ch03::PreallocatedKvCache;
-  for (const int sequences : {2, 9, 16}) {
-    CAPTURE(sequences);
-    std::vector<std::vector<int>> prompts;
-    std::vector<Cache> batched_caches, alone_caches;
-    std::vector<int> next(sequences);
-    for (int i = 0; i < sequences; ++i) {
-      prompts.push_back(encode_bytes(text.substr(std::size_t(i) * 150, std::size_t(5 + 7 * i))));
-      batched_caches.emplace_back(backend, c, 128);
-      alone_caches.emplace_back(backend, c, 128);
-      model.forward(prompts[i], 0, &batched_caches[i]);
-      const std::span<const float> logits = model.forward(prompts[i], 0, &alone_caches[i]);
-      next[i] = argmax(logits);
-    }
-    for (int step = 0; step < 3; ++step) {
-      CAPTURE(step);
-      std::vector<SequenceStep> batch;
-      for (int i = 0; i < sequences; ++i)
-        batch.push_back({std::span(next).subspan(std::size_t(i), 1), int(prompts[i].size()) + step, &batched_caches[i]});
-      const std::span<const float> got = model.forward(batch);
-      const std::vector<float> batched(got.begin(), got.end());
-      int identical = 0;
+  test::for_each_backend(test::test_backend_names(), [&](Backend& backend) {
+    Model model(checkpoint, backend, 128, 256);
+    using Cache = ch03::PreallocatedKvCache;
+    const bool cpu = backend.fused_tokens() == 0;
+    for (const int sequences : cpu ? std::vector<int>{2, 9, 16} : std::vector<int>{2, 3, backend.fused_tokens()}) {
+      CAPTURE(sequences);
+      std::vector<std::vector<int>> prompts;
+      std::vector<Cache> batched_caches, alone_caches;
+      std::vector<int> next(sequences);
       for (int i = 0; i < sequences; ++i) {
-        const std::span<const float> alone = model.forward(std::span(next).subspan(std::size_t(i), 1), batch[i].pos, &alone_caches[i]);
-        identical += std::memcmp(alone.data(), batched.data() + std::size_t(i) * c.vocab_size, c.vocab_size * sizeof(float)) == 0;
-        next[i] = argmax(alone);
+        prompts.push_back(encode_bytes(text.substr(std::size_t(i) * 150, std::size_t(5 + 7 * i))));
+        batched_caches.emplace_back(backend, c, 128);
+        alone_caches.emplace_back(backend, c, 128);
+        model.forward(prompts[i], 0, &batched_caches[i]);
+        const std::span<const float> logits = model.forward(prompts[i], 0, &alone_caches[i]);
+        next[i] = argmax(logits);
       }
-      CHECK(identical == sequences);
+      for (int step = 0; step < 3; ++step) {
+        CAPTURE(step);
+        std::vector<SequenceStep> batch;
+        for (int i = 0; i < sequences; ++i)
+          batch.push_back({std::span(next).subspan(std::size_t(i), 1), int(prompts[i].size()) + step, &batched_caches[i]});
+        const std::span<const float> got = model.forward(batch);
+        const std::vector<float> batched(got.begin(), got.end());
+        int identical = 0;
+        for (int i = 0; i < sequences; ++i) {
+          const std::span<const float> alone = model.forward(std::span(next).subspan(std::size_t(i), 1), batch[i].pos, &alone_caches[i]);
+          identical += std::memcmp(alone.data(), batched.data() + std::size_t(i) * c.vocab_size, c.vocab_size * sizeof(float)) == 0;
+          next[i] = argmax(alone);
+        }
+        CHECK(identical == sequences);
+      }
     }
-  }
+  });
 }
 
 // The scheduler against each request alone: greedy tokens identical, for block sizes 1, 3 and 16, prompts
