@@ -166,46 +166,63 @@ OneQueryKernel one_query_kernel(int head_dim) {
   }
 }
 
-// ---- products for a few tokens (decode steps, small batches) ----
+// ---- products for a few tokens (decode steps, batches, short prompts) ----
 // out (n, columns) = x (n, d_in) · W_T (d_in, columns) for n <= kFewTokens, W_T a slice of a transposed weight
 // matrix (upload_matrix), its rows w_stride floats apart. Why not Eigen: it takes one token through its GEMV and
 // two or more through its GEMM, which first copies ("packs") the weight slice it will read - for a few tokens that
 // copy costs more than the product: a decode step of two sequences took 2.7x the time of one (0.147 against 0.053
 // ms, book 08 before this path). Here each packet of weights is loaded once and multiplied into the sums of up to
-// kTileTokens tokens (more: the slice read again, from cache), with up to kAccumulators packets of running sums: a
-// tile of one token spans 8 packets of outputs, of two tokens 8 or 4, of more tokens fewer. (The totals, as many
-// packets again, may not all fit in registers beside them; the compiler keeps the rest on the stack, in L1, where
-// Eigen's GEMV keeps all of its totals.)
-// Every output element is the same sum whatever n and whatever tile computes it: its inputs in blocks of kSumBlock,
-// each block summed from zero by multiply-adds in input order, then added to the element's total. That is the order
-// of Eigen 3.4's GEMV for d_in >= 128 and d_out < 8000 (GeneralMatrixVector.h: blocks of 16 columns of its matrix;
-// whole products below 128, blocks of 4 above 8000), so one token of the shipped model gets the bits it got before
-// (tested against Eigen); and a token in a batch gets the bits it gets alone (tested): chapter 08's decode step of
-// up to kFewTokens sequences computes each one exactly as a step of that sequence alone.
-// kFewTokens = 16, measured (one thread, AMD EPYC, AVX-512): on the shipped model this path beat Eigen's GEMM at
-// every n tried up to 1024; on a synthetic model of dim 1024 (03_benchmark --synthetic 1024,8,8,4) a prefill of 16
-// tokens took 58 ms against GEMM's 72, of 32 tokens 155-204 against 109-121: there a task's weight rows lie
-// kilobytes apart, each re-read per tile stops coming from cache, and GEMM's packing pays for itself.
-constexpr int kFewTokens = 16;
+// kTileTokens tokens, with up to kAccumulators packets of running sums: a tile of one token spans 8 packets of
+// outputs, of two tokens 8 or 4, of more tokens fewer. (The totals, as many packets again, may not all fit in
+// registers beside them; the compiler keeps the rest on the stack, in L1, where Eigen's GEMV keeps all of its.)
+// More tokens than a tile: the tiles of tokens take the slice's inputs a chunk at a time (kChunkBytes of weights),
+// every tile through one chunk before the next, so the chunk is read from memory once and by the other tiles from
+// L1; between chunks a tile's totals wait in `out`. Without chunks, 32 tokens of chapter 07's synthetic model
+// (dim 1024) re-read their 16-column slices - one 64-byte line per 4 KiB row - from L2 per tile: 1.0 ms for its
+// 1024 x 1024 product against Eigen's GEMM's 0.9 and chunks' 0.83 (one thread, AMD EPYC, AVX-512).
+// Every output element is the same sum whatever n and whatever tile or chunk computes it: its inputs in blocks of
+// kSumBlock, each block summed from zero by multiply-adds in input order, then added to the element's total. That
+// is the order of Eigen 3.4's GEMV for d_in >= 128 and d_out < 8000 (GeneralMatrixVector.h: blocks of 16 columns
+// of its matrix; whole products below 128, blocks of 4 above 8000), so one token of the shipped model gets the
+// bits it got before (tested against Eigen); and a token in a batch gets the bits it gets alone (tested): chapter
+// 08's decode step of up to kFewTokens sequences computes each one exactly as a step of that sequence alone.
+// kFewTokens = 64, measured (one thread, AMD EPYC, AVX-512, microseconds for this path against Eigen's GEMM): the
+// shipped model's products at 16, 32 and 64 tokens take half to two thirds of GEMM's time (w1: 8 vs 15, 16 vs 32,
+// 43 vs 67); the synthetic dim-1024 model's up to 32 tokens as fast or faster, at 64 between 0.8x (1024 x 2816)
+// and 1.15x (2816 x 1024) of GEMM's. Above 64 tokens (prefill) GEMM's packing pays for itself.
+constexpr int kFewTokens = 64;
 #ifdef EIGEN_VECTORIZE_AVX512
 constexpr int kTileTokens = 8, kAccumulators = 16;  // 32 registers
 #else
 constexpr int kTileTokens = 4, kAccumulators = 8;  // 16 registers (SSE, AVX)
 #endif
 constexpr int kSumBlock = 16;
+constexpr int kChunkBytes = 32 * 1024;  // an L1 data cache (32 KiB: AMD Zen; 48 KiB on recent Intel); 16 and 64 KiB measured slower
 
-// Tokens [0, kTokens) of x, outputs [0, kPackets · kLanes) of a tile; kPartial: the tile is the last
-// `columns` < kLanes outputs, its weights read through a zero-padded packet (the same arithmetic as a whole one).
+// Tokens [0, kTokens) of x (rows x_stride floats apart), inputs [0, inputs), outputs [0, kPackets · kLanes) of a
+// tile; `add`: out already holds the totals of earlier inputs (an earlier chunk). kPartial: the tile is the last
+// `columns` < kLanes outputs, its weights and totals read through a zero-padded packet (the same arithmetic).
 template <int kTokens, int kPackets, bool kPartial = false>
-void few_token_tile(float* __restrict out, int out_stride, const float* x, int d_in, const float* w, int w_stride,
-                    int columns = kLanes) {
+void few_token_tile(float* __restrict out, int out_stride, const float* x, int x_stride, int inputs, const float* w,
+                    int w_stride, bool add, int columns = kLanes) {
   using namespace Eigen::internal;
-  alignas(64) float padded[kLanes] = {};  // kPartial: this input's weights for the tile, zeros past `columns`
+  alignas(64) float padded[kLanes] = {};  // kPartial: a row of weights or of totals, zeros past `columns`
   Packet total[kTokens][kPackets], sum[kTokens][kPackets];
-  for (int t = 0; t < kTokens; ++t)
-    for (int p = 0; p < kPackets; ++p) total[t][p] = pset1<Packet>(0.0f);
-  for (int begin = 0; begin < d_in; begin += kSumBlock) {
-    const int end = std::min(begin + kSumBlock, d_in);
+  for (int t = 0; t < kTokens; ++t) {
+    const float* o = out + std::size_t(t) * out_stride;
+    for (int p = 0; p < kPackets; ++p) {
+      if (!add) {
+        total[t][p] = pset1<Packet>(0.0f);
+      } else if constexpr (kPartial) {
+        std::copy(o, o + columns, padded);
+        total[t][p] = pload<Packet>(padded);
+      } else {
+        total[t][p] = ploadu<Packet>(o + p * kLanes);
+      }
+    }
+  }
+  for (int begin = 0; begin < inputs; begin += kSumBlock) {
+    const int end = std::min(begin + kSumBlock, inputs);
     for (int t = 0; t < kTokens; ++t)
       for (int p = 0; p < kPackets; ++p) sum[t][p] = pset1<Packet>(0.0f);
     for (int i = begin; i < end; ++i) {
@@ -218,7 +235,7 @@ void few_token_tile(float* __restrict out, int out_stride, const float* x, int d
         for (int p = 0; p < kPackets; ++p) weight[p] = ploadu<Packet>(row + p * kLanes);
       }
       for (int t = 0; t < kTokens; ++t) {
-        const Packet input = pset1<Packet>(x[std::size_t(t) * d_in + i]);
+        const Packet input = pset1<Packet>(x[std::size_t(t) * x_stride + i]);
         for (int p = 0; p < kPackets; ++p) sum[t][p] = pmadd(weight[p], input, sum[t][p]);
       }
     }
@@ -236,36 +253,53 @@ void few_token_tile(float* __restrict out, int out_stride, const float* x, int d
   }
 }
 
-// kTokens tokens through all `columns` outputs: the widest tiles first, then narrower, then a partial packet.
+// kTokens tokens through all `columns` outputs, for inputs [0, inputs): the widest tiles first, then narrower,
+// then a partial packet.
 template <int kTokens>
-void few_token_rows(float* out, int out_stride, const float* x, int d_in, const float* w, int w_stride, int columns) {
+void few_token_rows(float* out, int out_stride, const float* x, int x_stride, int inputs, const float* w,
+                    int w_stride, int columns, bool add) {
   int c = 0;
   auto tiles = [&]<int kPackets>(std::integral_constant<int, kPackets>) {
     if constexpr (kTokens * kPackets <= kAccumulators)
       for (; c + kPackets * kLanes <= columns; c += kPackets * kLanes)
-        few_token_tile<kTokens, kPackets>(out + c, out_stride, x, d_in, w + c, w_stride);
+        few_token_tile<kTokens, kPackets>(out + c, out_stride, x, x_stride, inputs, w + c, w_stride, add);
   };
   tiles(std::integral_constant<int, 8>{});
   tiles(std::integral_constant<int, 4>{});
   tiles(std::integral_constant<int, 2>{});
   tiles(std::integral_constant<int, 1>{});
-  if (c < columns) few_token_tile<kTokens, 1, true>(out + c, out_stride, x, d_in, w + c, w_stride, columns - c);
+  if (c < columns)
+    few_token_tile<kTokens, 1, true>(out + c, out_stride, x, x_stride, inputs, w + c, w_stride, add, columns - c);
+}
+
+// Inputs per chunk: whole blocks of kSumBlock whose weights for `columns` outputs fill kChunkBytes; all of d_in
+// when one tile holds every token (nothing would read a chunk twice).
+int few_token_chunk(int n, int d_in, int columns) {
+  if (n <= kTileTokens) return d_in;
+  const int row_bytes = (columns + kLanes - 1) / kLanes * kLanes * int(sizeof(float));
+  return std::max(kSumBlock, kChunkBytes / row_bytes / kSumBlock * kSumBlock);
 }
 
 void few_token_product(float* out, int out_stride, const float* x, int n, int d_in, const float* w, int w_stride,
                        int columns) {
-  for (int t = 0; t < n; t += kTileTokens) {
-    float* o = out + std::size_t(t) * out_stride;
-    const float* xt = x + std::size_t(t) * d_in;
-    switch (std::min(kTileTokens, n - t)) {  // 5 to 8 only where kTileTokens is 8 (AVX-512)
-      case 1: few_token_rows<1>(o, out_stride, xt, d_in, w, w_stride, columns); break;
-      case 2: few_token_rows<2>(o, out_stride, xt, d_in, w, w_stride, columns); break;
-      case 3: few_token_rows<3>(o, out_stride, xt, d_in, w, w_stride, columns); break;
-      case 4: few_token_rows<4>(o, out_stride, xt, d_in, w, w_stride, columns); break;
-      case 5: few_token_rows<5>(o, out_stride, xt, d_in, w, w_stride, columns); break;
-      case 6: few_token_rows<6>(o, out_stride, xt, d_in, w, w_stride, columns); break;
-      case 7: few_token_rows<7>(o, out_stride, xt, d_in, w, w_stride, columns); break;
-      default: few_token_rows<8>(o, out_stride, xt, d_in, w, w_stride, columns); break;
+  const int chunk = few_token_chunk(n, d_in, columns);
+  for (int begin = 0; begin < d_in; begin += chunk) {
+    const int inputs = std::min(chunk, d_in - begin);
+    const float* w_chunk = w + std::size_t(begin) * w_stride;
+    const bool add = begin > 0;
+    for (int t = 0; t < n; t += kTileTokens) {
+      float* o = out + std::size_t(t) * out_stride;
+      const float* xt = x + std::size_t(t) * d_in + begin;
+      switch (std::min(kTileTokens, n - t)) {  // 5 to 8 only where kTileTokens is 8 (AVX-512)
+        case 1: few_token_rows<1>(o, out_stride, xt, d_in, inputs, w_chunk, w_stride, columns, add); break;
+        case 2: few_token_rows<2>(o, out_stride, xt, d_in, inputs, w_chunk, w_stride, columns, add); break;
+        case 3: few_token_rows<3>(o, out_stride, xt, d_in, inputs, w_chunk, w_stride, columns, add); break;
+        case 4: few_token_rows<4>(o, out_stride, xt, d_in, inputs, w_chunk, w_stride, columns, add); break;
+        case 5: few_token_rows<5>(o, out_stride, xt, d_in, inputs, w_chunk, w_stride, columns, add); break;
+        case 6: few_token_rows<6>(o, out_stride, xt, d_in, inputs, w_chunk, w_stride, columns, add); break;
+        case 7: few_token_rows<7>(o, out_stride, xt, d_in, inputs, w_chunk, w_stride, columns, add); break;
+        default: few_token_rows<8>(o, out_stride, xt, d_in, inputs, w_chunk, w_stride, columns, add); break;
+      }
     }
   }
 }
