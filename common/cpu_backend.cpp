@@ -177,19 +177,19 @@ OneQueryKernel one_query_kernel(int head_dim) {
 // registers beside them; the compiler keeps the rest on the stack, in L1, where Eigen's GEMV keeps all of its.)
 // More tokens than a tile: the tiles of tokens take the slice's inputs a chunk at a time (kChunkBytes of weights),
 // every tile through one chunk before the next, so the chunk is read from memory once and by the other tiles from
-// L1; between chunks a tile's totals wait in `out`. Without chunks, 32 tokens of chapter 07's synthetic model
-// (dim 1024) re-read their 16-column slices - one 64-byte line per 4 KiB row - from L2 per tile: 1.0 ms for its
-// 1024 x 1024 product against Eigen's GEMM's 0.9 and chunks' 0.83 (one thread, AMD EPYC, AVX-512).
+// L1; between chunks a tile's totals wait in `out`. Without chunks, 32 tokens of a synthetic model of dim 1024
+// re-read their 16-column slices - a 64-byte line of each 4 KiB-strided row - from L2 for every tile: its 2816 x
+// 1024 product took 4.5-4.8 ms, Eigen's GEMM 2.8-3.0, chunks 2.7-2.8 (one thread, AMD EPYC, AVX-512, two runs).
 // Every output element is the same sum whatever n and whatever tile or chunk computes it: its inputs in blocks of
 // kSumBlock, each block summed from zero by multiply-adds in input order, then added to the element's total. That
 // is the order of Eigen 3.4's GEMV for d_in >= 128 and d_out < 8000 (GeneralMatrixVector.h: blocks of 16 columns
 // of its matrix; whole products below 128, blocks of 4 above 8000), so one token of the shipped model gets the
 // bits it got before (tested against Eigen); and a token in a batch gets the bits it gets alone (tested): chapter
 // 08's decode step of up to kFewTokens sequences computes each one exactly as a step of that sequence alone.
-// kFewTokens = 64, measured (one thread, AMD EPYC, AVX-512, microseconds for this path against Eigen's GEMM): the
-// shipped model's products at 16, 32 and 64 tokens take half to two thirds of GEMM's time (w1: 8 vs 15, 16 vs 32,
-// 43 vs 67); the synthetic dim-1024 model's up to 32 tokens as fast or faster, at 64 between 0.8x (1024 x 2816)
-// and 1.15x (2816 x 1024) of GEMM's. Above 64 tokens (prefill) GEMM's packing pays for itself.
+// kFewTokens = 64, measured (one thread, AMD EPYC, AVX-512, two runs, this path against Eigen's GEMM): the shipped
+// model's products at 16, 32 and 64 tokens take half to two thirds of GEMM's time (w1, microseconds: 8 vs 15, 16
+// vs 33, 44 vs 68); a dim-1024 model's at 32 tokens 0.75x to 1.04x of GEMM's, at 64 between 0.78x (1024 x 2816)
+// and 1.2x (1024 x 1024) - about even over a layer. Above 64 tokens (prefill) GEMM's packing pays for itself.
 constexpr int kFewTokens = 64;
 #ifdef EIGEN_VECTORIZE_AVX512
 constexpr int kTileTokens = 8, kAccumulators = 16;  // 32 registers
