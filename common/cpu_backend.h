@@ -1,6 +1,6 @@
 #pragma once
-// The CPU backend: Eigen's GEMM for many positions and its own few-token product for up to 16 (a decode
-// step of one sequence or of a small batch), over weight matrices it stores transposed; a team of threads of
+// The CPU backend: Eigen's GEMM for many positions and its own few-token product for up to 64 (a decode
+// step of one sequence or of a batch, a short prompt), over weight matrices it stores transposed; a team of threads of
 // its own (worker_pool.h) splits products by output columns and attention by head (a decode step: by KV head).
 #include <cstdint>
 #include <memory>

@@ -51,7 +51,7 @@ int count_identical(const std::vector<RequestResult>& results, const std::vector
 }
 
 // A coded pool (chapter 10) rounds what it stores, and a batched product may round its floats differently from one
-// row's (~1e-6: on the CPU a step of more than 16 tokens, e.g. a prompt chunk beside the decode tokens; on a GPU
+// row's (~1e-6: on the CPU a step of more than 64 tokens, e.g. a prompt chunk beside the decode tokens; on a GPU
 // any batch), so a number on a rounding boundary is stored one code apart batched and alone; that moves a logit
 // by ~1e-3 (chapter 10's tests measure up to 1.3e-3 over a call). An output may then part from the request alone
 // only where the alone run's two best tokens nearly tie: within kNearTie, 50 times that. Counts the outputs that
