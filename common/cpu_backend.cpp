@@ -197,7 +197,7 @@ constexpr int kTileTokens = 8, kAccumulators = 16;  // 32 registers
 constexpr int kTileTokens = 4, kAccumulators = 8;  // 16 registers (SSE, AVX)
 #endif
 constexpr int kSumBlock = 16;
-constexpr int kChunkBytes = 32 * 1024;  // an L1 data cache (32 KiB: AMD Zen; 48 KiB on recent Intel); 16 and 64 KiB measured slower
+constexpr int kChunkBytes = 32 * 1024;  // an L1 data cache (AMD Zen; 48 KiB on recent Intel); 16, 64 KiB: slower
 
 // Tokens [0, kTokens) of x (rows x_stride floats apart), inputs [0, inputs), outputs [0, kPackets · kLanes) of a
 // tile; `add`: out already holds the totals of earlier inputs (an earlier chunk). kPartial: the tile is the last
@@ -265,8 +265,8 @@ void few_token_rows(float* out, int out_stride, const float* x, int x_stride, in
         few_token_tile<kTokens, kPackets>(out + c, out_stride, x, x_stride, inputs, w + c, w_stride, add);
   };
   // Packets left after the widest tiles in one tile where the sums fit: two passes over a task of 48 columns
-  // (2 packets, then 1) took a token of the synthetic 2048 model's 2816 x 1024 product 1.25 ms, one pass 0.67,
-  // Eigen's GEMV's time: each pass reads a whole strided row of weights from memory.
+  // (2 packets, then 1) took a token of a dim-1024 model's 2816 x 1024 product (w2) 1.25 ms, one pass 0.67,
+  // Eigen's GEMV's time: each pass reads the strided rows of weights from memory.
   tiles(std::integral_constant<int, 8>{});
   tiles(std::integral_constant<int, 7>{});
   tiles(std::integral_constant<int, 6>{});
