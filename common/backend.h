@@ -76,8 +76,9 @@ class Backend {
   // does not (the CPU, whose operating system hands out address space lazily: a stated budget,
   // --memory-limit, is its limit instead).
   virtual std::int64_t free_memory_bytes() const { return -1; }
-  // Scratch floats attention needs for views of up to max_rows rows (allocated once by the model).
-  virtual std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows) const = 0;
+  // Scratch floats attention needs for views of up to max_rows rows, in calls of up to max_sequences
+  // sequences (attention_batch), allocated once by the model.
+  virtual std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows, int max_sequences) const = 0;
 
   // ---- recording (see Recording above) ----
   virtual bool can_record() const { return false; }
@@ -108,6 +109,23 @@ class Backend {
   // second copy of it. reference_attention.h says the same in plain loops; every backend is tested against it.
   virtual void attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
                          const AttentionShape& shape, std::span<float> scratch, float* weights) = 0;
+  // One sequence's queries in attention_batch: rows [offset, offset + n) of q, out and positions, over its view.
+  struct AttentionPart {
+    int offset;
+    int n;
+    KvView kv;
+  };
+  // attention() for the sequences of a batch (chapter 08), each part's queries over its own view, no observer.
+  // Defined as one attention() call per part, in order - the default implementation; a backend may run the
+  // parts as one operation, because a decode step of B sequences is B attention calls of one query each: on
+  // the CPU too small to be worth handing to another thread one by one, on a GPU launches that take longer
+  // than their work. Either way each part gets the bits its attention() call alone gives (tested).
+  virtual void attention_batch(float* out, const float* q, const int* positions, std::span<const AttentionPart> parts,
+                               const AttentionShape& shape, std::span<float> scratch) {
+    const std::size_t dim = std::size_t(shape.n_heads) * shape.head_dim;
+    for (const AttentionPart& p : parts)
+      attention(out + p.offset * dim, q + p.offset * dim, positions + p.offset, p.n, p.kv, shape, scratch, nullptr);
+  }
   // rows[ring.write_slot(positions[i])] (width floats, rows row_stride floats apart) = src[i] (n, width): a
   // cache write whose positions are read from backend memory and turned into rows there (ring.h's one
   // definition of the slot; Ring::unbounded() for row p = position p), so a recorded decode step writes the

@@ -385,8 +385,13 @@ void CpuBackend::copy(float* dst, const float* src, std::size_t floats) {
   if (floats > 0) std::memcpy(dst, src, floats * sizeof(float));
 }
 
-std::size_t CpuBackend::attention_scratch_floats(const AttentionShape& shape, int max_rows) const {
-  return std::size_t(shape.n_heads) * kQueryBlock * max_rows;
+// (n_heads, kQueryBlock, max_rows rounded up to whole packets): a row of scores starts at a packet's alignment
+// (the backend's memory is aligned so) whatever max_rows is. softmax's vectorised sum adds the leading floats
+// up to an aligned address one by one, the rest a packet at a time: aligned scores make a decode step's sum the
+// same in a scratch of any size and in any task's row (attention_batch), so the same bits alone and in a batch.
+std::size_t CpuBackend::attention_scratch_floats(const AttentionShape& shape, int max_rows, int /*max_sequences*/) const {
+  const std::size_t row = (std::size_t(std::max(max_rows, 0)) + kLanes - 1) / kLanes * kLanes;
+  return std::size_t(shape.n_heads) * kQueryBlock * row;
 }
 
 void CpuBackend::embed(float* x, const float* table, const int* tokens, int n, int dim) {
@@ -623,6 +628,46 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
   const std::int64_t multiply_adds = 2 * std::int64_t(n) * kv.rows_to_visit(pos + n - 1) * shape.n_heads * head_dim;
   if (multiply_adds >= kTaskMultiplyAdds) pool_->run(shape.n_heads, one_head);
   else for (int h = 0; h < shape.n_heads; ++h) one_head(h);
+}
+
+// A decode step of several sequences (chapter 08): where every part is one query over one run of rows - the
+// fast path of attention() above, attend_one_query - the parts are tasks of one pool run, each part whole on
+// one thread. One attention() call per part would hand each part's KV heads to the other threads only when the
+// part alone is worth it (kTaskMultiplyAdds), so a step of 64 sequences of 80 positions ran all its attention on
+// one thread while the others waited. Each part is the same call of attend_one_query that attention() makes
+// (every KV head in one sweep; split by KV head, each head's arithmetic is the same), so it gets the same bits.
+// Anything else - a prefill chunk, read-time rotation, a head the fast path lacks - takes the definition.
+void CpuBackend::attention_batch(float* out, const float* q, const int* positions, std::span<const AttentionPart> parts,
+                                 const AttentionShape& shape, std::span<float> scratch) {
+  const int head_dim = shape.head_dim, dim = shape.n_heads * head_dim, group = shape.n_heads / shape.n_kv_heads;
+  const OneQueryKernel one_query = one_query_kernel(head_dim);
+  // Each head's slice of the scratch holds kQueryBlock rows of max_rows scores (attention_scratch_floats):
+  // task t takes row t of every head's slice, so tasks running at once never share scores.
+  const std::size_t head_stride = scratch.size() / shape.n_heads, slot_floats = head_stride / kQueryBlock;
+  bool fast = parts.size() > 1 && one_query;
+  std::int64_t multiply_adds = 0;
+  for (std::size_t i = 0; fast && i < parts.size(); ++i) {
+    const AttentionPart& p = parts[i];
+    int begin = 0, end = 0;
+    fast = p.n == 1 && !p.kv.read_rope && std::size_t(p.kv.rows) <= slot_floats &&
+           !(p.kv.coded() && head_dim > kMaxCodedHeadDim) && p.kv.visible_rows(positions[p.offset], begin, end);
+    multiply_adds += 2 * std::int64_t(end - begin) * shape.n_heads * head_dim;
+  }
+  if (!fast) return Backend::attention_batch(out, q, positions, parts, shape, scratch);
+
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  const int tasks = static_cast<int>(std::min<std::size_t>(parts.size(), kQueryBlock));
+  auto task = [&](int t) {  // parts t, t + tasks, ...: one part each for up to kQueryBlock parts
+    for (std::size_t i = t; i < parts.size(); i += tasks) {
+      const AttentionPart& p = parts[i];
+      int begin = 0, end = 0;
+      p.kv.visible_rows(positions[p.offset], begin, end);
+      one_query(out + std::size_t(p.offset) * dim, q + std::size_t(p.offset) * dim, p.kv, begin, end, 0, shape.n_kv_heads,
+                group, scale, scratch.data() + t * slot_floats, head_stride);
+    }
+  };
+  if (threads_ > 1 && multiply_adds >= kTaskMultiplyAdds) pool_->run(tasks, task);
+  else for (int t = 0; t < tasks; ++t) task(t);
 }
 
 // rows[write_row(where, positions[i])] = src[i], `where` a Ring or a BlockTable (backend.h).

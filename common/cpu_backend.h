@@ -36,7 +36,7 @@ class CpuBackend final : public Backend {
   void to_host(float* host, const float* src, std::size_t floats) override { copy(host, src, floats); }
   void from_host(float* dst, const float* host, std::size_t floats) override { copy(dst, host, floats); }
   void synchronize() override {}  // every operation has finished when it returns
-  std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows) const override;
+  std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows, int max_sequences) const override;
 
   void embed(float* x, const float* table, const int* tokens, int n, int dim) override;
   void matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) override;
@@ -45,6 +45,8 @@ class CpuBackend final : public Backend {
   void rope(float* x, const float* table, int n, int heads, int head_dim) override;
   void attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
                  const AttentionShape& shape, std::span<float> scratch, float* weights) override;
+  void attention_batch(float* out, const float* q, const int* positions, std::span<const AttentionPart> parts,
+                       const AttentionShape& shape, std::span<float> scratch) override;
   void write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
                   int width) override;
   void write_positions(int* slot_positions, const int* positions, Ring ring, int n) override;
@@ -58,7 +60,8 @@ class CpuBackend final : public Backend {
   void add(float* x, const float* y, std::size_t count) override;
 
   // Queries per attention block: scores are computed for this many queries at a time, so the scratch
-  // is (n_heads, kQueryBlock, max_rows) whatever the prompt length.
+  // is (n_heads, kQueryBlock, max_rows) whatever the prompt length - and whatever the batch: a batched decode
+  // step (attention_batch) gives each of up to kQueryBlock tasks one of those rows of scores per head.
   static constexpr int kQueryBlock = 64;
   // The longest head a coded view (chapter 10) may have: attention decodes a few rows of one head at a time
   // into a buffer of this many floats per row, on the stack.

@@ -13,7 +13,8 @@ struct WorkingSizes {
   WorkingSizes(const ModelConfig& c, const Backend& backend, std::size_t n, int max_kv_rows)
       : x(n * c.dim), q(n * c.dim), kv(n * c.kv_dim()), hidden(n * c.hidden_dim), rope(n * c.head_dim()),
         logits(n * c.vocab_size), step(2 * n),
-        scratch(backend.attention_scratch_floats({c.n_heads, c.n_kv_heads, c.head_dim()}, max_kv_rows)) {}
+        scratch(backend.attention_scratch_floats({c.n_heads, c.n_kv_heads, c.head_dim()}, max_kv_rows,
+                                                 static_cast<int>(n))) {}  // a sequence brings at least a token
   // The step's integers (token ids, positions) are counted as floats: both are 4 bytes.
   std::size_t device_floats() const { return 3 * x + q + 2 * kv + 2 * hidden + rope + logits + step + scratch; }
   std::size_t host_floats() const { return logits + step; }
@@ -83,6 +84,7 @@ Model::Model(const Checkpoint& checkpoint, Backend& backend, int max_tokens_per_
   host_step_.resize(size.step);
   host_logits_.resize(size.logits);
   parts_.reserve(max_tokens_);  // a sequence brings at least one token
+  attention_parts_.reserve(max_tokens_);
   caches_.reserve(max_tokens_);
 }
 
@@ -169,6 +171,7 @@ void Model::compute(int n, Logits which) {
                                     {k, w.wk, kv_dim, qk_rope},    // k (n, n_kv_heads · head_dim)
                                     {v, w.wv, kv_dim}};            // v (n, n_kv_heads · head_dim)
     b.norm_products(xb, x, w.rms_att, n, dim, c.head_dim(), qkv);  // xb (n, dim) = norm(x) (backend.h)
+    attention_parts_.clear();
     for (const Part& s : parts_) {  // each sequence's tokens attend over its own cache only
       const std::size_t at = s.offset;
       s.cache->write(l, s.pos, s.n, positions + at, k + at * kv_dim, v + at * kv_dim);  // what later positions read
@@ -176,10 +179,15 @@ void Model::compute(int n, Logits which) {
       if (visible.rows > max_kv_rows_)
         throw std::invalid_argument("forward: the cache shows " + std::to_string(visible.rows) +
                                     " rows; this model was set up for at most " + std::to_string(max_kv_rows_));
-      float* weights = observer_ ? observed_weights_.data() : nullptr;  // (n, n_heads, rows) when observed
-      b.attention(att + at * dim, q + at * dim, positions + at, s.n, visible, shape, {scratch_.data(), scratch_.size()},
-                  weights);                           // att (s.n, dim) of this sequence's tokens
-      if (observer_) observe(l, s.pos, s.n, visible, weights);
+      attention_parts_.push_back({s.offset, s.n, visible});
+    }
+    const std::span<float> scratch{scratch_.data(), scratch_.size()};
+    if (observer_) {  // one sequence (load_step): att (n, dim), its weights to the observer
+      const Backend::AttentionPart& s = attention_parts_[0];
+      b.attention(att, q, positions, n, s.kv, shape, scratch, observed_weights_.data());  // weights (n, n_heads, rows)
+      observe(l, parts_[0].pos, n, s.kv, observed_weights_.data());
+    } else {
+      b.attention_batch(att, q, positions, attention_parts_, shape, scratch);  // att (n, dim), every sequence's tokens
     }
     b.matmul_add(x, xb, att, w.wo, n, dim, dim);      // x (n, dim) += xb (n, dim) = Wo · att
 

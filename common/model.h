@@ -53,7 +53,8 @@ class Model {
   // prefill chunk for others), each at its own positions through its own cache (distinct caches, every one
   // rotating keys where the model does: !rotates_at_read()). The weight products run once over all the call's
   // tokens - at batch 1 a decode step reads every weight to make one token; at batch B, B tokens - and
-  // attention runs per sequence over that sequence's view. Returns (sequences, vocab) logits, each sequence's
+  // each sequence attends over its own view only, all of them in one Backend::attention_batch call per layer
+  // (which gives each the bits of its attention alone). Returns (sequences, vocab) logits, each sequence's
   // last position in batch order, or (all tokens, vocab) in batch order. A batch of one is forward() itself,
   // the same operations. What a sequence gets inside a batch equals what it gets alone up to the summation
   // order of the products, which may depend on how many rows a product has (CPU: its few-token product up
@@ -125,6 +126,7 @@ class Model {
   std::vector<int> host_step_;      // (2, N)
   std::vector<float> host_logits_;  // (N, vocab)
   std::vector<Part> parts_;         // (sequences of this call), capacity N: refilled without allocating
+  std::vector<Backend::AttentionPart> attention_parts_;  // (sequences of this call), capacity N: a layer's views
   std::vector<const KvCache*> caches_;  // (sequences of this call) sorted, to refuse a cache given twice
   CallLocalKv call_local_;
   AttentionObserver* observer_ = nullptr;

@@ -57,8 +57,8 @@ class ProfilingBackend final : public Backend {
     timed(OpKind::kOther, [&] { inner_.from_host(dst, host, floats); });
   }
   void synchronize() override { inner_.synchronize(); }
-  std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows) const override {
-    return inner_.attention_scratch_floats(shape, max_rows);
+  std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows, int max_sequences) const override {
+    return inner_.attention_scratch_floats(shape, max_rows, max_sequences);
   }
   void embed(float* x, const float* table, const int* tokens, int n, int dim) override {
     timed(OpKind::kOther, [&] { inner_.embed(x, table, tokens, n, dim); });
@@ -78,6 +78,10 @@ class ProfilingBackend final : public Backend {
   void attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
                  const AttentionShape& shape, std::span<float> scratch, float* weights) override {
     timed(OpKind::kAttention, [&] { inner_.attention(out, q, positions, n, kv, shape, scratch, weights); });
+  }
+  void attention_batch(float* out, const float* q, const int* positions, std::span<const AttentionPart> parts,
+                       const AttentionShape& shape, std::span<float> scratch) override {
+    timed(OpKind::kAttention, [&] { inner_.attention_batch(out, q, positions, parts, shape, scratch); });
   }
   void write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
                   int width) override {

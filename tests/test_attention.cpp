@@ -58,7 +58,7 @@ float compare_with_reference(CpuBackend& backend, const AttentionShape& shape, c
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> q(std::size_t(n) * dim), out(q.size()), expected(q.size());
   for (float& x : q) x = normal(gen);
-  std::vector<float> scratch(backend.attention_scratch_floats(shape, view.rows));
+  std::vector<float> scratch(backend.attention_scratch_floats(shape, view.rows, 1));
   // The weights as an observer sees them, compared too (poisoned first: every entry must be written).
   std::vector<float> weights(std::size_t(n) * shape.n_heads * view.rows, NAN), expected_weights(weights.size());
   const IntBuffer positions = consecutive_positions(backend, pos, n);

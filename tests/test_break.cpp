@@ -190,7 +190,7 @@ TEST_CASE("attention probe: the weights sum to 1 per query head and are the ones
     CAPTURE(window.size);
     const KvView view{.keys = k.data(), .values = v.data(), .rows = rows, .row_stride = kv_dim, .window = window};
     std::vector<float> out(n * shape.n_heads * shape.head_dim), weights(std::size_t(n) * shape.n_heads * rows, -1.0f);
-    std::vector<float> scratch(backend.attention_scratch_floats(shape, rows));
+    std::vector<float> scratch(backend.attention_scratch_floats(shape, rows, 1));
     backend.attention(out.data(), q.data(), consecutive_positions(backend, pos, n).data(), n, view, shape, scratch,
                       weights.data());
     for (int i = 0; i < n; ++i)

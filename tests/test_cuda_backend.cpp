@@ -260,7 +260,7 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
       reference_attention(want.data(), q.data(), pos, n, host_view, shape, want_weights.data());
 
       Buffer d_keys = test::to_backend(b, keys), d_values = test::to_backend(b, values), d_q = test::to_backend(b, q);
-      Buffer d_out(b, q.size()), scratch(b, b.attention_scratch_floats(shape, rows));
+      Buffer d_out(b, q.size()), scratch(b, b.attention_scratch_floats(shape, rows, 1));
       Buffer d_table = test::to_backend(b, table);
       IntBuffer d_positions(b, positions.size());  // a view's row positions live in backend memory too
       b.from_host(d_positions.data(), positions.data(), positions.size());

@@ -50,7 +50,7 @@ std::vector<float> backend_attention(Backend& b, const std::vector<float>& q, in
                                      const AttentionShape& shape) {
   const Buffer d_q = to_backend(b, q);
   Buffer d_out(b, q.size());
-  Buffer scratch(b, b.attention_scratch_floats(shape, view.rows));
+  Buffer scratch(b, b.attention_scratch_floats(shape, view.rows, 1));
   const IntBuffer d_positions = consecutive_positions(b, pos, n);
   b.attention(d_out.data(), d_q.data(), d_positions.data(), n, view, shape, {scratch.data(), scratch.size()}, nullptr);
   return from_backend(b, d_out);

@@ -143,7 +143,7 @@ TEST_CASE("attention: rows past a query's position are never read, whatever they
         for (std::size_t i = 0; i < std::size_t(pos + n) * kv_dim; ++i) keys[i] = normal(gen), values[i] = normal(gen);
         for (float& x : q) x = normal(gen);
         Buffer d_keys = test::to_backend(b, keys), d_values = test::to_backend(b, values), d_q = test::to_backend(b, q);
-        Buffer whole(b, q.size()), prefix(b, q.size()), scratch(b, b.attention_scratch_floats(shape, capacity));
+        Buffer whole(b, q.size()), prefix(b, q.size()), scratch(b, b.attention_scratch_floats(shape, capacity, 1));
         const IntBuffer positions = consecutive_positions(b, pos, n);
         KvView view{.keys = d_keys.data(), .values = d_values.data(), .rows = capacity, .row_stride = kv_dim};
         b.attention(whole.data(), d_q.data(), positions.data(), n, view, shape, {scratch.data(), scratch.size()}, nullptr);

@@ -267,7 +267,7 @@ void speed(const Lab& lab, const std::vector<int>& contexts, int steps, CsvWrite
   std::fprintf(stderr, "%-9s %8s | %9s %9s | %9s %9s %12s\n", "format", "context", "step p50", "p99",
                "attn p50", "p99", "K/V GB/s");
   Buffer query(rt.backend, std::size_t(c.dim)), out(rt.backend, std::size_t(c.dim));
-  Buffer scratch(rt.backend, rt.backend.attention_scratch_floats(shape, c.seq_len));
+  Buffer scratch(rt.backend, rt.backend.attention_scratch_floats(shape, c.seq_len, 1));
   rt.backend.from_host(query.data(), std::vector<float>(c.dim, 0.1f).data(), c.dim);
   for (int context : contexts) {
     const std::vector<int> text =

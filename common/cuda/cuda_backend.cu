@@ -426,30 +426,65 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
   }
 }
 
-// Decoding: one query (at positions[0]), its rows split into chunks of rows_per_split. Block (x, s) takes
-// KV head x / tiles and `tile` of the query heads that read it (tiles = group / tile; tile <= kMaxTile),
-// over chunk s. Warp w takes kRowsInFlight consecutive rows at a time (rows row_begin + (w + k · warps) ·
+// Decoding: one query per sequence - sequence z (blockIdx.z; one for a single decode step, up to
+// kMaxBatchViews for a batch's) at positions[z], its q and out rows z (n_heads · head_dim each), over
+// views.view[z] - its rows split into chunks of decode_rows_per_split(rows). Block (x, s, z) takes KV head
+// x / tiles and `tile` of the query heads that read it (tiles = group / tile; tile <= kMaxTile), over chunk s
+// (a chunk past the view's last row - a batch's grid has the most chunks any of its views has - sees nothing
+// and writes a partial of max -inf, which the merge skips: each sequence gets the bits it gets alone). Warp w takes kRowsInFlight consecutive rows at a time (rows row_begin + (w + k · warps) ·
 // kRowsInFlight ...): it loads their keys and values first - independent loads, all in flight at once -
 // then scores them for each of its query heads and updates that head's online softmax. The block's warps
 // merge through shared memory; with one chunk the block writes out (n_heads · head_dim) itself, otherwise
-// partials (n_heads, splits, 2 + head_dim) = [max, total, Σ exp(score - max) · v], unnormalised, a chunk
+// partials (sequences, n_heads, splits, 2 + head_dim) = [max, total, Σ exp(score - max) · v], unnormalised, a chunk
 // with nothing visible writing max -inf (attention_merge_kernel finishes). Lane l holds elements l, l + 32,
 // ... < 32 · kElements of a row (kElements = 1, 2, 4, 8 for head_dim up to 32, 64, 128, 256: registers for
-// what the head needs, not for the largest head). Grid (n_kv_heads · tiles, splits), block kDecodeWarps · 32.
+// what the head needs, not for the largest head). Grid (n_kv_heads · tiles, splits, sequences), block
+// kDecodeWarps · 32.
 constexpr int kMaxTile = 4;
 constexpr int kRowsInFlight = 4;
 constexpr int kDecodeWarps = 4;
 
-template <int kElements>
+// Decoding's chunks: kRowsPerSplit rows each (four rounds of a block's warps, kRowsInFlight rows each), more
+// where a view would need more than kMaxSplits of them: the merge reads every chunk's partial, and at 16,384
+// positions 256 chunks of 64 rows made the synthetic model's step 3.9-4.1 ms, 64 chunks of 256 rows 3.4-3.5
+// (H100, one run; 8 warps per block: 2-6% faster at 512 and 4,096 positions, 5-9% slower at 16,384; 8 rows in
+// flight: slower at each). A view of one chunk needs no merge. Up to 4,096 rows, chunks start at the same rows
+// in a view of a whole buffer and in one of its written prefix, so both give the same bits (tested). A view's
+// split depends on its rows only: the kernel computes it for each sequence of a batch, the host for the grid.
+constexpr int kRowsPerSplit = 4 * kDecodeWarps * kRowsInFlight;
+constexpr int kMaxSplits = 64;
+
+KVS_HOST_DEVICE int decode_rows_per_split(int rows) {
+  const int even = (rows + kMaxSplits - 1) / kMaxSplits;
+  return even > kRowsPerSplit ? even : kRowsPerSplit;
+}
+KVS_HOST_DEVICE int decode_splits(int rows) {
+  const int splits = (rows + decode_rows_per_split(rows) - 1) / decode_rows_per_split(rows);
+  return splits > 1 ? splits : 1;
+}
+
+// The views a decoding launch reads, one per sequence (blockIdx.z), passed by value as a kernel argument: a
+// batch's views need no copy to device memory first. kMaxBatchViews views are ~11 KB, within the 32 KB a kernel's
+// arguments may take since CUDA 12.1 (Volta and later).
+template <int kViews>
+struct DecodeViews {
+  KvView view[kViews];
+};
+constexpr int kMaxBatchViews = 64;
+
+template <int kElements, int kViews>
 __global__ void __launch_bounds__(kDecodeWarps * kWarp)
-    attention_decode_kernel(float* out, float* partials, const float* q, const int* positions, KvView kv, int group,
-                            int tile, int head_dim, int rows_per_split) {
+    attention_decode_kernel(float* out, float* partials, const float* q, const int* positions, DecodeViews<kViews> views,
+                            int n_heads, int group, int tile, int head_dim) {
   __shared__ WarpPartials<kDecodeWarps, kMaxTile> parts;
+  const int sequence = blockIdx.z;
+  const KvView kv = views.view[sequence];
   const int tiles = group / tile, kv_head = blockIdx.x / tiles;
   const int first_head = kv_head * group + int(blockIdx.x % tiles) * tile, kv_offset = kv_head * head_dim;
   const int split = blockIdx.y, splits = gridDim.y;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int query_pos = positions[0], rows = kv.rows_to_visit(query_pos);
+  const int query_pos = positions[sequence], rows = kv.rows_to_visit(query_pos);
+  const int rows_per_split = decode_rows_per_split(kv.rows);
   const int row_begin = split * rows_per_split;
   const int row_end = row_begin + rows_per_split < rows ? row_begin + rows_per_split : rows;
   const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));
@@ -457,7 +492,8 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   float query[kMaxTile][kElements], values[kMaxTile][kElements], running_max[kMaxTile], total[kMaxTile];
   KVS_UNROLL
   for (int t = 0; t < kMaxTile; ++t) {
-    if (t < tile) load_query(query[t], q + std::size_t(first_head + t) * head_dim, kv, query_pos, head_dim, lane);
+    if (t < tile)
+      load_query(query[t], q + (std::size_t(sequence) * n_heads + first_head + t) * head_dim, kv, query_pos, head_dim, lane);
     for (int j = 0; j < kElements; ++j) values[t][j] = 0.0f;
     running_max[t] = -INFINITY, total[t] = 0.0f;
   }
@@ -507,23 +543,24 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   for (int t = 0; t < kMaxTile; ++t) {
     if (t >= tile) break;
     const PartialSoftmax block = parts.merged(t, kDecodeWarps);
-    const int h = first_head + t;
-    float* partial = partials ? partials + (std::size_t(h) * splits + split) * (2 + head_dim) : nullptr;
+    const std::size_t h = std::size_t(sequence) * n_heads + first_head + t;  // the head's row of out
+    float* partial = partials ? partials + (h * splits + split) * (2 + head_dim) : nullptr;
     if (partial && threadIdx.x == 0) partial[0] = block.max, partial[1] = block.total;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
       const float o = parts.merged_value(t, d, block.max, kDecodeWarps);
       if (partial) partial[2 + d] = o;
-      else out[std::size_t(h) * head_dim + d] = block.total > 0.0f ? o / block.total : 0.0f;  // 0: nothing visible
+      else out[h * head_dim + d] = block.total > 0.0f ? o / block.total : 0.0f;  // 0: nothing visible
     }
   }
 }
 
-// out (n_heads · head_dim) = the chunks' partial softmaxes merged: each rescaled by exp(its max - the
+// out (sequences, n_heads · head_dim) = the chunks' partial softmaxes merged: each rescaled by exp(its max - the
 // largest max), summed, divided by the summed totals (0 where no row was visible, as attention_kernel).
-// Grid (n_heads), block 128 (any size): block h merges head h, its threads stride over head_dim.
+// Grid (n_heads, sequences), block 128 (any size): block (h, z) merges head h of sequence z, its threads
+// stride over head_dim.
 __global__ void attention_merge_kernel(float* out, const float* partials, int splits, int head_dim) {
-  const int h = blockIdx.x;
-  const float* head = partials + std::size_t(h) * splits * (2 + head_dim);
+  const std::size_t h = std::size_t(blockIdx.y) * gridDim.x + blockIdx.x;  // the head's row of out
+  const float* head = partials + h * splits * (2 + head_dim);
   float max = -INFINITY, total = 0.0f;
   for (int s = 0; s < splits; ++s) max = fmaxf(max, head[std::size_t(s) * (2 + head_dim)]);
   for (int s = 0; s < splits; ++s) {
@@ -536,7 +573,7 @@ __global__ void attention_merge_kernel(float* out, const float* partials, int sp
       const float* partial = head + std::size_t(s) * (2 + head_dim);
       if (partial[0] != -INFINITY) o += partial[2 + d] * expf(partial[0] - max);
     }
-    out[std::size_t(h) * head_dim + d] = total > 0.0f ? o / total : 0.0f;
+    out[h * head_dim + d] = total > 0.0f ? o / total : 0.0f;
   }
 }
 
@@ -773,18 +810,6 @@ __global__ void add_kernel(float* x, const float* y, std::size_t count) {
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 4096;
 
-// Decoding's chunks: kRowsPerSplit rows each (four rounds of a block's warps, kRowsInFlight rows each), more
-// where a view would need more than kMaxSplits of them: the merge reads every chunk's partial, and at 16,384
-// positions 256 chunks of 64 rows made the synthetic model's step 3.9-4.1 ms, 64 chunks of 256 rows 3.4-3.5
-// (H100, one run; 8 warps per block: 2-6% faster at 512 and 4,096 positions, 5-9% slower at 16,384; 8 rows in
-// flight: slower at each). A view of one chunk needs no merge. Up to 4,096 rows, chunks start at the same rows
-// in a view of a whole buffer and in one of its written prefix, so both give the same bits (tested).
-constexpr int kRowsPerSplit = 4 * kDecodeWarps * kRowsInFlight;
-constexpr int kMaxSplits = 64;
-
-int decode_rows_per_split(int rows) { return std::max(kRowsPerSplit, (rows + kMaxSplits - 1) / kMaxSplits); }
-int decode_splits(int rows) { return std::max(1, (rows + decode_rows_per_split(rows) - 1) / decode_rows_per_split(rows)); }
-
 // Query heads per decoding block: the largest divisor of the group (query heads per KV head) up to kMaxTile.
 int decode_tile(int group) {
   for (int tile = kMaxTile; tile > 1; --tile)
@@ -878,10 +903,11 @@ class CudaBackend final : public Backend {
     KVS_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
   void synchronize() override { KVS_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
-  // Decoding's partial softmaxes (attention_decode_kernel), when split: n_heads · splits · (2 + head_dim).
-  std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows) const override {
-    const int splits = decode_splits(max_rows);
-    return splits > 1 ? std::size_t(shape.n_heads) * splits * (2 + shape.head_dim) : 0;
+  // Decoding's partial softmaxes (attention_decode_kernel), when split: sequences · n_heads · splits · (2 +
+  // head_dim), for up to kMaxBatchViews sequences at once (attention_batch).
+  std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows, int max_sequences) const override {
+    const int splits = decode_splits(max_rows), sequences = std::clamp(max_sequences, 1, kMaxBatchViews);
+    return splits > 1 ? std::size_t(sequences) * shape.n_heads * splits * (2 + shape.head_dim) : 0;
   }
 
   // Recording is CUDA stream capture: the operations queued between the two calls become a graph, which
@@ -937,32 +963,12 @@ class CudaBackend final : public Backend {
       throw std::invalid_argument("attention: read-time rotation needs a window (its table covers its positions)");
     const int group = shape.n_heads / shape.n_kv_heads;
     if (n == 1 && !weights) {
-      // Decoding: one block per (KV head, tile of its query heads, chunk of rows), then the merge when there
-      // is more than one chunk. The split depends on the view's rows only, never on the position, so a
-      // recorded step replays the same launches.
-      const int splits = decode_splits(kv.rows), tile = decode_tile(group);
-      const std::size_t needed = attention_scratch_floats(shape, kv.rows);
-      if (scratch.size() < needed)
+      // Decoding. The split depends on the view's rows only, never on the position, so a recorded step
+      // replays the same launches.
+      if (scratch.size() < attention_scratch_floats(shape, kv.rows, 1))
         throw std::invalid_argument("attention: a view of " + std::to_string(kv.rows) +
                                     " rows needs more scratch than the model allocated");
-      const int rows_per_split = decode_rows_per_split(kv.rows);
-      float* partials = splits > 1 ? scratch.data() : nullptr;
-      const dim3 grid(shape.n_kv_heads * (group / tile), splits), block(kDecodeWarps * kWarp);
-      if (shape.head_dim <= kWarp)
-        KVS_LAUNCH(attention_decode_kernel<1>, grid, block, 0, stream_, out, partials, q, positions, kv, group,
-                   tile, shape.head_dim, rows_per_split);
-      else if (shape.head_dim <= 2 * kWarp)
-        KVS_LAUNCH(attention_decode_kernel<2>, grid, block, 0, stream_, out, partials, q, positions, kv, group,
-                   tile, shape.head_dim, rows_per_split);
-      else if (shape.head_dim <= 4 * kWarp)
-        KVS_LAUNCH(attention_decode_kernel<4>, grid, block, 0, stream_, out, partials, q, positions, kv, group,
-                   tile, shape.head_dim, rows_per_split);
-      else
-        KVS_LAUNCH(attention_decode_kernel<8>, grid, block, 0, stream_, out, partials, q, positions, kv, group,
-                   tile, shape.head_dim, rows_per_split);
-      if (partials)
-        KVS_LAUNCH(attention_merge_kernel, dim3(shape.n_heads), dim3(128), 0, stream_, out, partials, splits,
-                   shape.head_dim);
+      decode(out, q, positions, DecodeViews<1>{{kv}}, 1, decode_splits(kv.rows), shape, scratch.data());
       return;
     }
     // Prefill in tiles, where the view is rotated already and the head fits the tiles' shared memory.
@@ -984,6 +990,55 @@ class CudaBackend final : public Backend {
     const int warps = n == 1 ? std::clamp(kv.rows / 64, 1, kMaxAttentionWarps) : 4;
     KVS_LAUNCH(attention_kernel, dim3(shape.n_heads, n), dim3(warps * kWarp), 0, stream_, out, weights, q, positions,
                kv, shape.n_heads, group, shape.head_dim);
+  }
+  // A decode step of several sequences (every part one query; chapter 08): one launch of the decoding kernel
+  // for up to kMaxBatchViews sequences (and one merge) instead of one or two per sequence - at batch 64 a layer
+  // would otherwise launch up to 128 kernels of a few blocks each, where a launch costs more than its work.
+  // Anything else (a prefill chunk in the batch) takes the definition, a call per part.
+  void attention_batch(float* out, const float* q, const int* positions, std::span<const AttentionPart> parts,
+                       const AttentionShape& shape, std::span<float> scratch) override {
+    bool decoding = parts.size() > 1 && shape.head_dim <= kMaxHeadDim;
+    for (std::size_t i = 0; decoding && i < parts.size(); ++i)
+      decoding = parts[i].n == 1 && parts[i].offset == int(i) && (!parts[i].kv.read_rope || parts[i].kv.window.size >= 1);
+    if (!decoding) return Backend::attention_batch(out, q, positions, parts, shape, scratch);
+    int max_rows = 0;
+    for (const AttentionPart& p : parts) max_rows = std::max(max_rows, p.kv.rows);
+    const int largest_launch = static_cast<int>(std::min<std::size_t>(parts.size(), kMaxBatchViews));
+    if (scratch.size() < attention_scratch_floats(shape, max_rows, largest_launch))
+      throw std::invalid_argument("attention: a batch of " + std::to_string(parts.size()) + " views of up to " +
+                                  std::to_string(max_rows) + " rows needs more scratch than the model allocated");
+    const std::size_t dim = std::size_t(shape.n_heads) * shape.head_dim;
+    for (std::size_t first = 0; first < parts.size(); first += kMaxBatchViews) {
+      const int count = static_cast<int>(std::min<std::size_t>(kMaxBatchViews, parts.size() - first));
+      DecodeViews<kMaxBatchViews> views;
+      int splits = 1;  // the grid's: the most any view of the launch has
+      for (int z = 0; z < count; ++z) {
+        views.view[z] = parts[first + z].kv;
+        splits = std::max(splits, decode_splits(views.view[z].rows));
+      }
+      decode(out + first * dim, q + first * dim, positions + first, views, count, splits, shape, scratch.data());
+    }
+  }
+  // The decoding kernel over `sequences` views (one query each, rows of q and out one after another) in
+  // `splits` chunks of rows at most, then the merge where there is more than one: one block per (KV head,
+  // tile of its query heads, chunk, sequence).
+  template <int kViews>
+  void decode(float* out, const float* q, const int* positions, const DecodeViews<kViews>& views, int sequences,
+              int splits, const AttentionShape& shape, float* scratch) {
+    const int group = shape.n_heads / shape.n_kv_heads, tile = decode_tile(group);
+    float* partials = splits > 1 ? scratch : nullptr;
+    const dim3 grid(shape.n_kv_heads * (group / tile), splits, sequences), block(kDecodeWarps * kWarp);
+#define KVS_DECODE(elements)                                                                                   \
+  KVS_LAUNCH((attention_decode_kernel<elements, kViews>), grid, block, 0, stream_, out, partials, q, positions, views, \
+             shape.n_heads, group, tile, shape.head_dim)
+    if (shape.head_dim <= kWarp) KVS_DECODE(1);
+    else if (shape.head_dim <= 2 * kWarp) KVS_DECODE(2);
+    else if (shape.head_dim <= 4 * kWarp) KVS_DECODE(4);
+    else KVS_DECODE(8);
+#undef KVS_DECODE
+    if (partials)
+      KVS_LAUNCH(attention_merge_kernel, dim3(shape.n_heads, sequences), dim3(128), 0, stream_, out, partials, splits,
+                 shape.head_dim);
   }
   // The fused operations (backend.h) as one gemv_kernel launch each for calls of up to kGemvTokens tokens;
   // larger calls (prefill) take the definition: cuBLAS's products and the small kernels.
