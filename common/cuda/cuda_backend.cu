@@ -431,12 +431,13 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
 // views.view[z] - its rows split into chunks of decode_rows_per_split(rows). Block (x, s, z) takes KV head
 // x / tiles and `tile` of the query heads that read it (tiles = group / tile; tile <= kMaxTile), over chunk s
 // (a chunk past the view's last row - a batch's grid has the most chunks any of its views has - sees nothing
-// and writes a partial of max -inf, which the merge skips: each sequence gets the bits it gets alone). Warp w takes kRowsInFlight consecutive rows at a time (rows row_begin + (w + k · warps) ·
-// kRowsInFlight ...): it loads their keys and values first - independent loads, all in flight at once -
-// then scores them for each of its query heads and updates that head's online softmax. The block's warps
-// merge through shared memory; with one chunk the block writes out (n_heads · head_dim) itself, otherwise
-// partials (sequences, n_heads, splits, 2 + head_dim) = [max, total, Σ exp(score - max) · v], unnormalised, a chunk
-// with nothing visible writing max -inf (attention_merge_kernel finishes). Lane l holds elements l, l + 32,
+// and writes a partial of max -inf, which the merge skips: each sequence gets the bits it gets alone). Warp w
+// takes kRowsInFlight consecutive rows at a time (rows row_begin + (w + k · warps) · kRowsInFlight ...): it
+// loads their keys and values first - independent loads, all in flight at once - then scores them for each of
+// its query heads and updates that head's online softmax. The block's warps merge through shared memory; with
+// one chunk the block writes out (sequences, n_heads · head_dim) itself, otherwise partials (sequences, n_heads,
+// splits, 2 + head_dim) = [max, total, Σ exp(score - max) · v], unnormalised, a chunk with nothing visible
+// writing max -inf (attention_merge_kernel finishes). Lane l holds elements l, l + 32,
 // ... < 32 · kElements of a row (kElements = 1, 2, 4, 8 for head_dim up to 32, 64, 128, 256: registers for
 // what the head needs, not for the largest head). Grid (n_kv_heads · tiles, splits, sequences), block
 // kDecodeWarps · 32.
