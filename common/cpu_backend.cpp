@@ -166,6 +166,15 @@ OneQueryKernel one_query_kernel(int head_dim) {
   }
 }
 
+// Whether attention's decode fast path takes `n` queries at `pos` over `kv`: one query, keys rotated already
+// (no read-time rotation), its visible rows one run [begin, end), a head of whole packets. Returns the kernel
+// (null: the general path). attention() and attention_batch() ask the same question here.
+OneQueryKernel one_query_run(const KvView& kv, int n, int pos, int head_dim, int& begin, int& end) {
+  if (n != 1 || kv.read_rope) return nullptr;
+  const OneQueryKernel kernel = one_query_kernel(head_dim);
+  return kernel && kv.visible_rows(pos, begin, end) ? kernel : nullptr;
+}
+
 // ---- products for a few tokens (decode steps, batches, short prompts) ----
 // out (n, columns) = x (n, d_in) · W_T (d_in, columns) for n <= kFewTokens, W_T a slice of a transposed weight
 // matrix (upload_matrix), its rows w_stride floats apart. Why not Eigen: it takes one token through its GEMV and
@@ -465,8 +474,7 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
   // the rows (attend_one_query). Heads of one KV head stay together on one thread; each head's
   // arithmetic is the same however the heads are split, so 1 and 2 threads give the same bits.
   int run_begin = 0, run_end = 0;
-  const OneQueryKernel one_query = n == 1 && !kv.read_rope ? one_query_kernel(head_dim) : nullptr;
-  if (one_query && kv.visible_rows(pos, run_begin, run_end)) {
+  if (const OneQueryKernel one_query = one_query_run(kv, n, pos, head_dim, run_begin, run_end)) {
     const int run_rows = run_end - run_begin;  // visible_rows keeps begin <= end
     auto kv_heads = [&](int first_kv_head, int kv_head_count) {
       const int c1 = first_kv_head + kv_head_count, h0 = first_kv_head * group, h1 = c1 * group;
@@ -640,17 +648,16 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
 void CpuBackend::attention_batch(float* out, const float* q, const int* positions, std::span<const AttentionPart> parts,
                                  const AttentionShape& shape, std::span<float> scratch) {
   const int head_dim = shape.head_dim, dim = shape.n_heads * head_dim, group = shape.n_heads / shape.n_kv_heads;
-  const OneQueryKernel one_query = one_query_kernel(head_dim);
   // Each head's slice of the scratch holds kQueryBlock rows of max_rows scores (attention_scratch_floats):
   // task t takes row t of every head's slice, so tasks running at once never share scores.
   const std::size_t head_stride = scratch.size() / shape.n_heads, slot_floats = head_stride / kQueryBlock;
-  bool fast = parts.size() > 1 && one_query;
+  bool fast = parts.size() > 1;
   std::int64_t multiply_adds = 0;
-  for (std::size_t i = 0; fast && i < parts.size(); ++i) {
+  for (std::size_t i = 0; fast && i < parts.size(); ++i) {  // what attention() would refuse takes the definition
     const AttentionPart& p = parts[i];
     int begin = 0, end = 0;
-    fast = p.n == 1 && !p.kv.read_rope && std::size_t(p.kv.rows) <= slot_floats &&
-           !(p.kv.coded() && head_dim > kMaxCodedHeadDim) && p.kv.visible_rows(positions[p.offset], begin, end);
+    fast = one_query_run(p.kv, p.n, positions[p.offset], head_dim, begin, end) && std::size_t(p.kv.rows) <= slot_floats &&
+           !(p.kv.coded() && head_dim > kMaxCodedHeadDim);
     multiply_adds += 2 * std::int64_t(end - begin) * shape.n_heads * head_dim;
   }
   if (!fast) return Backend::attention_batch(out, q, positions, parts, shape, scratch);
@@ -661,9 +668,10 @@ void CpuBackend::attention_batch(float* out, const float* q, const int* position
     for (std::size_t i = t; i < parts.size(); i += tasks) {
       const AttentionPart& p = parts[i];
       int begin = 0, end = 0;
-      p.kv.visible_rows(positions[p.offset], begin, end);
-      one_query(out + std::size_t(p.offset) * dim, q + std::size_t(p.offset) * dim, p.kv, begin, end, 0, shape.n_kv_heads,
-                group, scale, scratch.data() + t * slot_floats, head_stride);
+      const OneQueryKernel one_query = one_query_run(p.kv, p.n, positions[p.offset], head_dim, begin, end);
+      const std::size_t at = std::size_t(p.offset) * dim;
+      one_query(out + at, q + at, p.kv, begin, end, 0, shape.n_kv_heads, group, scale, scratch.data() + t * slot_floats,
+                head_stride);
     }
   };
   if (threads_ > 1 && multiply_adds >= kTaskMultiplyAdds) pool_->run(tasks, task);
