@@ -20,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "block_table.h"
@@ -145,6 +146,32 @@ class Backend {
   virtual void write_coded_rows(const CodedRows& rows, const int* positions, Ring ring, const float* src, int n) = 0;
   virtual void write_paged_coded_rows(const CodedRows& rows, const int* positions, BlockTable table, const float* src,
                                       int n) = 0;
+  // One sequence of a write_paged_batch: rows [offset, offset + n) of positions, k and v, through its block table.
+  struct PagedPart {
+    int offset;
+    int n;
+    BlockTable table;
+  };
+  // One layer's cache write for the sequences of a batch whose caches share a pool (chapter 08, KvCache::
+  // paged_write): each part's rows of k (n, keys.width) into `keys` and of v into `values`, at the rows its table
+  // maps their positions to. A side whose format is kFp32 is float rows (its codes, width floats a row); another
+  // is coded as it is written (chapter 10). Parts in order of offset, none overlapping the next. Defined as
+  // write_paged_rows (or write_paged_coded_rows) for each part, keys then values, in order: the default
+  // implementation. A GPU writes them all in one launch: at batch 64 a layer would otherwise launch 128 kernels of
+  // a row each, a launch costing more than its copy. Two parts mapping a position to the same row (only chapter
+  // 09's broken copy-on-write does) land in the definition's order; in one launch, either may win.
+  virtual void write_paged_batch(const CodedRows& keys, const CodedRows& values, const int* positions,
+                                 std::span<const PagedPart> parts, const float* k, const float* v) {
+    for (const PagedPart& p : parts)
+      for (const auto& [side, src] : {std::pair{&keys, k}, std::pair{&values, v}}) {
+        const float* rows = src + std::size_t(p.offset) * side->width;
+        if (side->format == KvFormat::kFp32)
+          write_paged_rows(reinterpret_cast<float*>(side->codes), side->width, positions + p.offset, p.table, rows, p.n,
+                           side->width);
+        else
+          write_paged_coded_rows(*side, positions + p.offset, p.table, rows, p.n);
+      }
+  }
   // Per-channel quantize (chapter 10, KIVI's keys): token groups [first_group, first_group + groups) of `rows`
   // (rows.token_group > 0), now complete, from src (groups · rows.token_group, rows.width) floats - each channel
   // pair of each group by CodedRows::encode_channel_pair, the one definition.

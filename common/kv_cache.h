@@ -5,11 +5,14 @@
 //   prepare(pos, n)                         once, before the first layer (a cache may grow here);
 //   write(layer, pos, n, positions, k, v)   per layer: store the new positions' keys and values;
 //   view(layer)                             per layer: the rows this layer's attention may read;
-// the layers in order, 0 first: per layer write(layer), then view(layer).
+// the layers in order, 0 first: per layer write(layer), then view(layer). A cache that keeps its rows in a pool
+// other sequences share (chapter 08) may say where a write goes instead (paged_write): the model then writes
+// it, with the other sequences of a batch in that pool, in place of write().
 // A cache policy (a chapter's lesson) decides where K/V live and which rows are visible; the forward
 // pass never changes from one chapter to the next. Between forward passes an experiment may read or
 // overwrite what the cache holds, one row at a time (row(); chapter 05 corrupts a key that way).
 #include <cstddef>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -136,6 +139,14 @@ struct KvRow {
   float* value = nullptr;
 };
 
+// Where a cache's write of one layer goes when it is one block-table scatter into a pool of rows (chapter 08):
+// the keys into `keys`, the values into `values` (float rows, or chapter 10's coded rows), each position at
+// the row `table` maps it to (block_table.h).
+struct PagedWrite {
+  CodedRows keys, values;
+  BlockTable table;
+};
+
 class KvCache {
  public:
   virtual ~KvCache() = default;
@@ -145,6 +156,12 @@ class KvCache {
   // valid only during this call. `positions` holds the same n positions in backend memory (what a write
   // reads when the decode step is recorded and replayed, see replayable()).
   virtual void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) = 0;
+  // Where write(layer, pos, n, ...) puts the rows, when this cache's rows lie in a pool that other sequences'
+  // caches share (chapter 08's paged sequences), after the checks write() makes: the model then writes the
+  // sequences of a batch that share a pool together, one Backend::write_paged_batch a layer (on a GPU one launch
+  // where a write() per sequence is two), and does not call write(). Such a cache's write() is that call for
+  // its one sequence, so both ways store the same bytes. nullopt (the default): the model calls write().
+  virtual std::optional<PagedWrite> paged_write(int /*layer*/, int /*pos*/, int /*n*/) const { return std::nullopt; }
   // What this layer's attention reads; includes the positions just written.
   virtual KvView view(int layer) const = 0;
   // Positions cached so far: the next forward pass starts here (0 for a fresh cache).

@@ -1,6 +1,7 @@
 #include "model.h"
 
 #include <algorithm>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -85,6 +86,7 @@ Model::Model(const Checkpoint& checkpoint, Backend& backend, int max_tokens_per_
   host_logits_.resize(size.logits);
   parts_.reserve(max_tokens_);  // a sequence brings at least one token
   attention_parts_.reserve(max_tokens_);
+  paged_parts_.reserve(max_tokens_);
   caches_.reserve(max_tokens_);
 }
 
@@ -171,10 +173,9 @@ void Model::compute(int n, Logits which) {
                                     {k, w.wk, kv_dim, qk_rope},    // k (n, n_kv_heads · head_dim)
                                     {v, w.wv, kv_dim}};            // v (n, n_kv_heads · head_dim)
     b.norm_products(xb, x, w.rms_att, n, dim, c.head_dim(), qkv);  // xb (n, dim) = norm(x) (backend.h)
+    write_caches(l, positions, k, v);  // what later positions read
     attention_parts_.clear();
     for (const Part& s : parts_) {  // each sequence's tokens attend over its own cache only
-      const std::size_t at = s.offset;
-      s.cache->write(l, s.pos, s.n, positions + at, k + at * kv_dim, v + at * kv_dim);  // what later positions read
       const KvView visible = s.cache->view(l);        // (rows, kv_dim) keys and values
       if (visible.rows > max_kv_rows_)
         throw std::invalid_argument("forward: the cache shows " + std::to_string(visible.rows) +
@@ -211,6 +212,24 @@ void Model::compute(int n, Logits which) {
   }
   const Backend::Product classify[] = {{logits_.data(), classifier_, c.vocab_size}};  // logits (rows, vocab)
   b.norm_products(xb, last, rms_final_, rows, dim, c.head_dim(), classify);  // xb (rows, dim)
+}
+
+// Each sequence's write(), except that the sequences whose caches lie in one pool (KvCache::paged_write: the
+// first such pool of the batch) are written together - on a GPU one launch instead of two per sequence.
+void Model::write_caches(int layer, const int* positions, const float* k, const float* v) {
+  const std::size_t kv_dim = config_.kv_dim();
+  std::optional<PagedWrite> pool;
+  paged_parts_.clear();
+  for (const Part& s : parts_) {
+    const std::optional<PagedWrite> where = s.cache->paged_write(layer, s.pos, s.n);
+    if (where && (!pool || (where->keys.codes == pool->keys.codes && where->values.codes == pool->values.codes))) {
+      pool = where;
+      paged_parts_.push_back({s.offset, s.n, where->table});
+    } else {
+      s.cache->write(layer, s.pos, s.n, positions + s.offset, k + s.offset * kv_dim, v + s.offset * kv_dim);
+    }
+  }
+  if (pool) backend_.write_paged_batch(pool->keys, pool->values, positions, paged_parts_, k, v);
 }
 
 void Model::observe(int layer, int pos, int n, const KvView& visible, float* weights) {

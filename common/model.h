@@ -95,6 +95,8 @@ class Model {
   };
   int load_step(std::span<const SequenceStep> batch);  // returns the call's tokens, n
   void compute(int n, Logits which);
+  // One layer's new keys and values (n, kv_dim) of every sequence into its cache.
+  void write_caches(int layer, const int* positions, const float* k, const float* v);
   // Hands one layer's attention weights (backend memory) to the observer.
   void observe(int layer, int pos, int n, const KvView& visible, float* weights);
   std::span<const float> read_logits(int rows);  // (rows, vocab) to the host
@@ -127,6 +129,7 @@ class Model {
   std::vector<float> host_logits_;  // (N, vocab)
   std::vector<Part> parts_;         // (sequences of this call), capacity N: refilled without allocating
   std::vector<Backend::AttentionPart> attention_parts_;  // (sequences of this call), capacity N: a layer's views
+  std::vector<Backend::PagedPart> paged_parts_;  // (sequences of this call), capacity N: a layer's writes into a pool
   std::vector<const KvCache*> caches_;  // (sequences of this call) sorted, to refuse a cache given twice
   CallLocalKv call_local_;
   AttentionObserver* observer_ = nullptr;

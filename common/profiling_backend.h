@@ -94,6 +94,10 @@ class ProfilingBackend final : public Backend {
                         int width) override {
     timed(OpKind::kOther, [&] { inner_.write_paged_rows(rows, row_stride, positions, table, src, n, width); });
   }
+  void write_paged_batch(const CodedRows& keys, const CodedRows& values, const int* positions,
+                         std::span<const PagedPart> parts, const float* k, const float* v) override {
+    timed(OpKind::kOther, [&] { inner_.write_paged_batch(keys, values, positions, parts, k, v); });
+  }
   void encode_channel_groups(const CodedRows& rows, int first_group, int groups, const float* src) override {
     timed(OpKind::kOther, [&] { inner_.encode_channel_groups(rows, first_group, groups, src); });
   }

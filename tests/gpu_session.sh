@@ -3,7 +3,8 @@
 # the test suite with the GPU present; compute-sanitizer on the kernel tests; the breakdowns of both builds,
 # interleaved. Usage, from the repository root on the GPU machine:
 #   bash tests/gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]
-# STEPS: a comma-separated subset of build,test,sanitize,ab,transcripts (default: all but transcripts).
+# STEPS: a comma-separated subset of build,test,sanitize,ab,chapters,transcripts (default: all but transcripts;
+# chapters: the batch throughput of chapter 08 and the formats' speed of chapter 10 on the GPU).
 # Header-only dependencies the machine lacks (Eigen, doctest) may be given as a prefix in .deps/ (CMake config
 # files included); a base tree (git archive of an older commit) as BASE_SOURCE_DIR. Both are made here, in
 # folders .git/info/exclude ignores, and carried with the device call:
@@ -16,7 +17,7 @@
 set -uo pipefail
 out=${1:?usage: gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]}
 base=${2:-}
-steps=${3:-build,test,sanitize,ab}
+steps=${3:-build,test,sanitize,ab,chapters}
 mkdir -p "$out"
 has() { [[ ",$steps," == *",$1,"* ]]; }
 jobs=$(nproc)
@@ -41,7 +42,7 @@ if has test; then
   echo "ctest: $((SECONDS - start)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Skipped" "$out/ctest.log" | head -20
 fi
 if has sanitize; then
-  cases=${SANITIZE_CASES:-'cuda kernels:*,recorded decoding:*'}
+  cases=${SANITIZE_CASES:-'cuda kernels:*,recorded decoding:*,batched attention:*,batched cache write:*,batched decode through pools:*'}
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --error-exitcode 99 build/release/bin/kvs_tests -tc="$cases" >"$out/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY' "$out/sanitizer_$tool.log") summaries: $(grep 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' '))"
@@ -61,6 +62,14 @@ if has ab; then
   done
   build/release/bin/03_benchmark --backend cpu --threads 1 $shipped --csv "$out/shipped_cpu1.csv" >"$out/shipped_cpu1.log" 2>&1
   echo "== one CPU core"; grep -A4 "  context     step" "$out/shipped_cpu1.log" | tail -4
+fi
+if has chapters; then
+  build/release/bin/08_paged_batching --backend cuda --experiment throughput --csv "$out/batch_throughput_gpu.csv" \
+    >"$out/batch_throughput_gpu.log" 2>&1
+  echo "== chapter 08 throughput on the GPU: exit $?"; tail -12 "$out/batch_throughput_gpu.log"
+  build/release/bin/10_quantized_cache --backend cuda --experiment speed --csv "$out/kv_format_speed_gpu.csv" \
+    >"$out/kv_format_speed_gpu.log" 2>&1
+  echo "== chapter 10 speed on the GPU: exit $?"; tail -12 "$out/kv_format_speed_gpu.log"
 fi
 if has transcripts; then
   python3 book/transcripts.py --gpu-only book/07_the_same_cache_on_a_gpu.md >"$out/transcripts.log" 2>&1

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -18,6 +19,7 @@
 #include "block_table.h"
 #include "cpu_backend.h"
 #include "generate.h"
+#include "profiling_backend.h"
 #include "reference_attention.h"
 #include "sampler.h"
 #include "test_backends.h"
@@ -201,6 +203,78 @@ TEST_CASE("batched attention: each sequence gets the bits of its attention alone
   });
 }
 
+// Backend::write_paged_batch against its definition (write_paged_rows / write_paged_coded_rows part by part, as
+// Backend's default runs them) and, for float rows, against the rows expected: 70 sequences of one pool (two CUDA
+// launches of up to 64 parts), blocks of 3 rows shuffled, one sequence writing a prefill chunk of 5 positions across
+// a block boundary, every format of chapter 10. Rows nobody writes keep their bytes.
+TEST_CASE("batched cache write: a batch's rows in one pool as each sequence's write alone, every format and backend") {
+  const ModelConfig c{.dim = 128, .hidden_dim = 32, .n_layers = 1, .n_heads = 4, .n_kv_heads = 2, .vocab_size = 256,
+                      .seq_len = 64};
+  const int kv_dim = c.kv_dim(), block_size = 3, sequences = 70;
+  test::for_each_backend(test::test_backend_names(), [&](Backend& backend) {
+    for (KvFormat format : {KvFormat::kFp32, KvFormat::kFp16, KvFormat::kBf16, KvFormat::kInt8, KvFormat::kInt4}) {
+      CAPTURE(to_string(format));
+      std::mt19937 gen(9);
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      // Each sequence holds positions 0 .. first + n - 1 and writes [first, first + n); its blocks anywhere in the pool.
+      std::vector<int> firsts, counts, all_blocks(std::size_t(sequences) * 8);
+      std::iota(all_blocks.begin(), all_blocks.end(), 0);
+      std::shuffle(all_blocks.begin(), all_blocks.end(), gen);
+      const ch08::PoolFormat pool_format{format, 32};
+      ch08::BlockPool batched(backend, c, static_cast<int>(all_blocks.size()), block_size, sequences, c.seq_len, pool_format),
+          alone(backend, c, static_cast<int>(all_blocks.size()), block_size, sequences, c.seq_len, pool_format);
+      std::vector<Backend::PagedPart> parts;
+      std::vector<int> positions;
+      for (int i = 0; i < sequences; ++i) {
+        const int first = (i * 5) % 19, n = i == 3 ? 5 : 1;  // sequence 3: positions 15-19, blocks 5 and 6
+        const std::vector<int> blocks(all_blocks.begin() + i * 8, all_blocks.begin() + i * 8 + blocks_needed(first + n, block_size));
+        for (ch08::BlockPool* pool : {&batched, &alone}) backend.from_host(pool->table(i), blocks.data(), blocks.size());
+        parts.push_back({static_cast<int>(positions.size()), n, BlockTable{batched.table(i), block_size}});
+        for (int p = first; p < first + n; ++p) positions.push_back(p);
+        firsts.push_back(first), counts.push_back(n);
+      }
+      const int tokens = static_cast<int>(positions.size());
+      std::vector<float> k(std::size_t(tokens) * kv_dim), v(k.size());
+      for (float& x : k) x = normal(gen);
+      for (float& x : v) x = normal(gen);
+      const Buffer d_k = test::to_backend(backend, k), d_v = test::to_backend(backend, v);
+      IntBuffer d_positions(backend, positions.size());
+      backend.from_host(d_positions.data(), positions.data(), positions.size());
+      // Both pools start as the same bytes (not all zero: a row left alone must be seen to be left alone).
+      const std::size_t side_floats = std::size_t(all_blocks.size()) * block_size * batched.side(0, 0).row_bytes() / sizeof(float);
+      std::vector<float> start(side_floats);
+      for (float& x : start) x = normal(gen);
+      for (ch08::BlockPool* pool : {&batched, &alone})
+        for (int kv = 0; kv < 2; ++kv) backend.from_host(reinterpret_cast<float*>(pool->side(0, kv).codes), start.data(), side_floats);
+
+      backend.write_paged_batch(batched.side(0, 0), batched.side(0, 1), d_positions.data(), parts, d_k.data(), d_v.data());
+      std::vector<Backend::PagedPart> alone_parts = parts;
+      for (int i = 0; i < sequences; ++i) alone_parts[i].table.blocks = alone.table(i);
+      backend.Backend::write_paged_batch(alone.side(0, 0), alone.side(0, 1), d_positions.data(), alone_parts, d_k.data(), d_v.data());
+
+      for (int kv = 0; kv < 2; ++kv) {
+        CAPTURE(kv);
+        std::vector<float> got(side_floats), expected(side_floats);
+        backend.to_host(got.data(), reinterpret_cast<float*>(batched.side(0, kv).codes), side_floats);
+        backend.to_host(expected.data(), reinterpret_cast<float*>(alone.side(0, kv).codes), side_floats);
+        CHECK(std::memcmp(got.data(), expected.data(), side_floats * sizeof(float)) == 0);
+        if (format != KvFormat::kFp32) continue;
+        // Float rows: each written row is its source row, and nothing else changed.
+        const std::vector<float>& src = kv == 0 ? k : v;
+        std::vector<float> want = start;
+        for (int i = 0, token = 0; i < sequences; ++i) {
+          std::vector<int> blocks(blocks_needed(firsts[i] + counts[i], block_size));
+          backend.to_host(blocks.data(), batched.table(i), blocks.size());
+          for (int p = firsts[i]; p < firsts[i] + counts[i]; ++p, ++token)
+            std::copy_n(src.begin() + std::size_t(token) * kv_dim, kv_dim,
+                        want.begin() + std::size_t(BlockTable{blocks.data(), block_size}.physical_row(p)) * kv_dim);
+        }
+        CHECK(std::memcmp(got.data(), want.data(), side_floats * sizeof(float)) == 0);
+      }
+    }
+  });
+}
+
 // Keys all zero, so every visible row weighs the same and the output is the mean of the visible values; value
 // row = its request's tag · 1000 + its position. A query of request B at position p must get exactly
 // B·1000 + p/2: any row of another request, or a stale row of a block's previous owner, moves it.
@@ -366,6 +440,79 @@ TEST_CASE("batched decode: a few sequences each get the very bits of their step 
         CHECK(identical == sequences);
       }
     }
+  });
+}
+
+// The model writes the sequences of a batch that share a pool with one Backend::write_paged_batch a layer
+// (KvCache::paged_write), any other cache with its write(): sequences of an fp32 pool, of an int8 pool (not the
+// first pool of the batch: written one by one) and a preallocated cache, interleaved, each get the bits of their
+// decode step alone, three steps, crossing block boundaries (8 sequences: the CUDA kernels' fused products are
+// exact up to fused_tokens() = 8). And a decode step's backend operations, counted by ProfilingBackend, are as
+// many for 8 sequences of one pool as for 2: a write per sequence would add 12 a layer.
+TEST_CASE("batched decode through pools: one cache write a layer for a pool's sequences, each sequence's bits as alone, every backend") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const ModelConfig& c = checkpoint.config();
+  const std::string text = test::validation_text();
+  test::for_each_backend(test::test_backend_names(), [&](Backend& inner) {
+    ProfilingBackend backend(inner);
+    Model model(checkpoint, backend, 128, 256);
+    const int sequences = 8, block_size = 8;
+    const ch08::PoolFormat int8{KvFormat::kInt8};
+    // The batch's caches, and each sequence's twin that decodes alone.
+    ch08::BlockPool fp32_pool(backend, c, 64, block_size, sequences, 128), fp32_twins(backend, c, 64, block_size, sequences, 128),
+        int8_pool(backend, c, 64, block_size, sequences, 128, int8), int8_twins(backend, c, 64, block_size, sequences, 128, int8);
+    std::vector<std::unique_ptr<KvCache>> batched, alone;
+    std::vector<int> lengths, next;
+    for (int i = 0; i < sequences; ++i) {
+      if (i == 3) {
+        batched.push_back(std::make_unique<ch03::PreallocatedKvCache>(backend, c, 128));
+        alone.push_back(std::make_unique<ch03::PreallocatedKvCache>(backend, c, 128));
+      } else {
+        const bool coded = i % 4 == 1;
+        batched.push_back(std::make_unique<ch08::PagedSequence>(coded ? int8_pool : fp32_pool));
+        alone.push_back(std::make_unique<ch08::PagedSequence>(coded ? int8_twins : fp32_twins));
+      }
+      const std::vector<int> prompt = encode_bytes(text.substr(std::size_t(i) * 150, std::size_t(5 + 7 * i)));
+      model.forward(prompt, 0, batched[i].get());
+      next.push_back(argmax(model.forward(prompt, 0, alone[i].get())));
+      lengths.push_back(static_cast<int>(prompt.size()));  // 5, 12, ... 54: steps from each offset in a block of 8
+    }
+    for (int step = 0; step < 3; ++step) {
+      CAPTURE(step);
+      std::vector<SequenceStep> batch;
+      for (int i = 0; i < sequences; ++i) batch.push_back({std::span(next).subspan(std::size_t(i), 1), lengths[i] + step, batched[i].get()});
+      const std::span<const float> got = model.forward(batch);
+      const std::vector<float> logits(got.begin(), got.end());
+      int identical = 0;
+      for (int i = 0; i < sequences; ++i) {
+        const std::span<const float> own = model.forward(std::span(next).subspan(std::size_t(i), 1), lengths[i] + step, alone[i].get());
+        identical += std::memcmp(own.data(), logits.data() + std::size_t(i) * c.vocab_size, c.vocab_size * sizeof(float)) == 0;
+        next[i] = argmax(own);
+      }
+      CHECK(identical == sequences);
+    }
+
+    // Operations of one decode step of `count` sequences of one pool, blocks large enough that no step takes one
+    // (a block taken uploads a table entry: a transfer, counted).
+    auto step_operations = [&](int count) {
+      ch08::BlockPool pool(backend, c, count, 256, count, 256);
+      std::vector<std::unique_ptr<ch08::PagedSequence>> caches;
+      std::vector<SequenceStep> batch;
+      for (int i = 0; i < count; ++i) {
+        caches.push_back(std::make_unique<ch08::PagedSequence>(pool));
+        const std::vector<int> prompt = encode_bytes(text.substr(std::size_t(i) * 100, 10));
+        model.forward(prompt, 0, caches[i].get());
+        batch.push_back({std::span(next).subspan(std::size_t(i), 1), 10, caches[i].get()});
+      }
+      backend.reset();
+      model.forward(batch);
+      std::int64_t operations = 0;
+      for (OpKind kind : {OpKind::kMatmul, OpKind::kAttention, OpKind::kOther}) operations += backend.operations(kind);
+      return operations;
+    };
+    const std::int64_t two = step_operations(2), eight = step_operations(8);
+    MESSAGE("backend operations of a decode step: " << two << " for 2 sequences, " << eight << " for 8");
+    CHECK(eight == two);
   });
 }
 

@@ -17,6 +17,7 @@
 // then their scales (CodedRows), each indexed by the same physical row - so a block table finds a coded row
 // exactly as it finds a float one, and the same budget holds more blocks.
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -257,16 +258,17 @@ class PagedSequence final : public KvCache {
     length_ = pos + n;
   }
 
-  void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) override {
+  // The pool's rows of this layer through this sequence's table; a coded pool quantizes on write (chapter 10).
+  // The model writes the sequences of a batch that share the pool together (Backend::write_paged_batch: on a GPU
+  // one launch a layer); write() is the same call for this sequence alone.
+  std::optional<PagedWrite> paged_write(int layer, int pos, int n) const override {
     check_write("PagedSequence", layer, pool_.n_layers(), pos, n, length_);
-    const BlockTable table{pool_.table(table_), pool_.block_size()};
-    if (pool_.format() != KvFormat::kFp32) {  // quantize on write (chapter 10)
-      pool_.backend().write_paged_coded_rows(pool_.side(layer, 0), positions, table, k, n);
-      pool_.backend().write_paged_coded_rows(pool_.side(layer, 1), positions, table, v, n);
-      return;
-    }
-    pool_.backend().write_paged_rows(pool_.rows(layer, 0), pool_.kv_dim(), positions, table, k, n, pool_.kv_dim());
-    pool_.backend().write_paged_rows(pool_.rows(layer, 1), pool_.kv_dim(), positions, table, v, n, pool_.kv_dim());
+    return PagedWrite{pool_.side(layer, 0), pool_.side(layer, 1), BlockTable{pool_.table(table_), pool_.block_size()}};
+  }
+  void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) override {
+    const PagedWrite where = *paged_write(layer, pos, n);
+    const Backend::PagedPart alone[] = {{0, n, where.table}};
+    pool_.backend().write_paged_batch(where.keys, where.values, positions, alone, k, v);
   }
 
   // Rows 0 .. length-1 = positions 0 .. length-1, through the block table; coded sides in a coded pool.

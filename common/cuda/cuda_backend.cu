@@ -110,6 +110,30 @@ __global__ void write_coded_rows_kernel(CodedRows rows, const int* positions, Wh
   for (int g = threadIdx.x; g < rows.groups(); g += blockDim.x) rows.encode_group(row, g, src + i * rows.width + g * rows.group);
 }
 
+// The sequences of a batch one launch takes: a batched cache write's parts (below), a decoding launch's views.
+// Passed by value as kernel arguments, so a batch needs no copy to device memory first.
+constexpr int kMaxBatchSequences = 64;
+struct PagedParts {
+  Backend::PagedPart part[kMaxBatchSequences];  // 1.5 KB
+};
+
+// A batch's cache write (write_paged_batch): row i of k into `keys` and of v into `values` (blockIdx.y: 0 keys,
+// 1 values), at the row its sequence's table maps positions[i] to; float rows (kFp32, a group of one number) or
+// coded ones alike. Grid (tokens, 2), block 256: block (i, side) writes row i of that side, a thread per group
+// (CodedRows::encode_group). Row i's sequence: the last of the `count` parts that starts at or before it - parts
+// are in order of offset, a scan of kernel arguments that every thread makes alike; a row in no part is skipped.
+__global__ void write_paged_batch_kernel(CodedRows keys, CodedRows values, const int* positions, PagedParts parts,
+                                         int count, const float* k, const float* v) {
+  const int i = blockIdx.x;
+  int p = 0;
+  while (p + 1 < count && parts.part[p + 1].offset <= i) ++p;
+  if (i >= parts.part[p].offset + parts.part[p].n) return;
+  const CodedRows side = blockIdx.y == 0 ? keys : values;
+  const float* src = (blockIdx.y == 0 ? k : v) + std::size_t(i) * side.width;
+  const std::size_t row = write_row(parts.part[p].table, positions[i]);
+  for (int g = threadIdx.x; g < side.groups(); g += blockDim.x) side.encode_group(row, g, src + g * side.group);
+}
+
 // Per-channel quantize (KIVI's keys): token group first_group + blockIdx.x from src's rows blockIdx.x · token_group
 // on. Grid (groups), block 256: a thread per channel pair (CodedRows::encode_channel_pair; a pair shares each byte).
 __global__ void encode_channel_groups_kernel(CodedRows rows, int first_group, const float* src) {
@@ -427,7 +451,7 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
 }
 
 // Decoding: one query per sequence - sequence z (blockIdx.z; one for a single decode step, up to
-// kMaxBatchViews for a batch's) at positions[z], its q and out rows z (n_heads · head_dim each), over
+// kMaxBatchSequences for a batch's) at positions[z], its q and out rows z (n_heads · head_dim each), over
 // views.view[z] - its rows split into chunks of decode_rows_per_split(rows). Block (x, s, z) takes KV head
 // x / tiles and `tile` of the query heads that read it (tiles = group / tile; tile <= kMaxTile), over chunk s
 // (a chunk past the view's last row - a batch's grid has the most chunks any of its views has - sees nothing
@@ -465,13 +489,12 @@ KVS_HOST_DEVICE int decode_splits(int rows) {
 }
 
 // The views a decoding launch reads, one per sequence (blockIdx.z), passed by value as a kernel argument: a
-// batch's views need no copy to device memory first. kMaxBatchViews views are ~11 KB, within the 32 KB a kernel's
-// arguments may take since CUDA 12.1 (Volta and later).
+// batch's views need no copy to device memory first. kMaxBatchSequences views are ~11 KB, within the 32 KB a
+// kernel's arguments may take since CUDA 12.1 (Volta and later).
 template <int kViews>
 struct DecodeViews {
   KvView view[kViews];
 };
-constexpr int kMaxBatchViews = 64;
 
 template <int kElements, int kViews>
 __global__ void __launch_bounds__(kDecodeWarps * kWarp)
@@ -905,9 +928,9 @@ class CudaBackend final : public Backend {
   }
   void synchronize() override { KVS_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
   // Decoding's partial softmaxes (attention_decode_kernel), when split: sequences · n_heads · splits · (2 +
-  // head_dim), for up to kMaxBatchViews sequences at once (attention_batch).
+  // head_dim), for up to kMaxBatchSequences sequences at once (attention_batch).
   std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows, int max_sequences) const override {
-    const int splits = decode_splits(max_rows), sequences = std::clamp(max_sequences, 1, kMaxBatchViews);
+    const int splits = decode_splits(max_rows), sequences = std::clamp(max_sequences, 1, kMaxBatchSequences);
     return splits > 1 ? std::size_t(sequences) * shape.n_heads * splits * (2 + shape.head_dim) : 0;
   }
 
@@ -993,7 +1016,7 @@ class CudaBackend final : public Backend {
                kv, shape.n_heads, group, shape.head_dim);
   }
   // A decode step of several sequences (every part one query; chapter 08): one launch of the decoding kernel
-  // for up to kMaxBatchViews sequences (and one merge) instead of one or two per sequence - at batch 64 a layer
+  // for up to kMaxBatchSequences sequences (and one merge) instead of one or two per sequence - at batch 64 a layer
   // would otherwise launch up to 128 kernels of a few blocks each, where a launch costs more than its work.
   // Anything else (a prefill chunk in the batch) takes the definition, a call per part.
   void attention_batch(float* out, const float* q, const int* positions, std::span<const AttentionPart> parts,
@@ -1004,14 +1027,14 @@ class CudaBackend final : public Backend {
     if (!decoding) return Backend::attention_batch(out, q, positions, parts, shape, scratch);
     int max_rows = 0;
     for (const AttentionPart& p : parts) max_rows = std::max(max_rows, p.kv.rows);
-    const int largest_launch = static_cast<int>(std::min<std::size_t>(parts.size(), kMaxBatchViews));
+    const int largest_launch = static_cast<int>(std::min<std::size_t>(parts.size(), kMaxBatchSequences));
     if (scratch.size() < attention_scratch_floats(shape, max_rows, largest_launch))
       throw std::invalid_argument("attention: a batch of " + std::to_string(parts.size()) + " views of up to " +
                                   std::to_string(max_rows) + " rows needs more scratch than the model allocated");
     const std::size_t dim = std::size_t(shape.n_heads) * shape.head_dim;
-    for (std::size_t first = 0; first < parts.size(); first += kMaxBatchViews) {
-      const int count = static_cast<int>(std::min<std::size_t>(kMaxBatchViews, parts.size() - first));
-      DecodeViews<kMaxBatchViews> views;
+    for (std::size_t first = 0; first < parts.size(); first += kMaxBatchSequences) {
+      const int count = static_cast<int>(std::min<std::size_t>(kMaxBatchSequences, parts.size() - first));
+      DecodeViews<kMaxBatchSequences> views;
       int splits = 1;  // the grid's: the most any view of the launch has
       for (int z = 0; z < count; ++z) {
         views.view[z] = parts[first + z].kv;
@@ -1085,6 +1108,26 @@ class CudaBackend final : public Backend {
                         int width) override {
     KVS_LAUNCH(write_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, row_stride,
                positions, table, src, width);
+  }
+  // Up to kMaxBatchSequences sequences a launch (a decode step of 64 sequences: one launch a layer, not 128).
+  void write_paged_batch(const CodedRows& keys, const CodedRows& values, const int* positions,
+                         std::span<const PagedPart> parts, const float* k, const float* v) override {
+    for (std::size_t first = 0; first < parts.size(); first += kMaxBatchSequences) {
+      const int count = static_cast<int>(std::min<std::size_t>(kMaxBatchSequences, parts.size() - first));
+      const int base = parts[first].offset;  // the launch's rows from here: offsets relative to it
+      PagedParts launch;
+      int end = 0;  // the rows of the launch
+      for (int j = 0; j < count; ++j) {
+        const PagedPart& p = parts[first + j];
+        if (p.offset - base < end || p.n < 0)
+          throw std::invalid_argument("write_paged_batch: parts must be in order of offset and must not overlap");
+        launch.part[j] = PagedPart{p.offset - base, p.n, p.table};
+        end = p.offset - base + p.n;
+      }
+      if (end > 0)
+        KVS_LAUNCH(write_paged_batch_kernel, dim3(static_cast<unsigned>(end), 2), dim3(kThreads), 0, stream_, keys, values,
+                   positions + base, launch, count, k + std::size_t(base) * keys.width, v + std::size_t(base) * values.width);
+    }
   }
   void write_coded_rows(const CodedRows& rows, const int* positions, Ring ring, const float* src, int n) override {
     KVS_LAUNCH(write_coded_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, positions,
