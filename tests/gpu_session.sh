@@ -6,13 +6,8 @@
 # STEPS: a comma-separated subset of build,test,sanitize,ab,chapters,transcripts (default: all but transcripts;
 # chapters: the batch throughput of chapter 08 and the formats' speed of chapter 10 on the GPU).
 # Header-only dependencies the machine lacks (Eigen, doctest) may be given as a prefix in .deps/ (CMake config
-# files included); a base tree (git archive of an older commit) as BASE_SOURCE_DIR. Both are made here, in
-# folders .git/info/exclude ignores, and carried with the device call:
-#   mkdir -p .deps/include .deps/share/eigen3 .deps/lib/cmake && cp -r /usr/include/eigen3 /usr/include/doctest \
-#     .deps/include/ && cp -r /usr/share/eigen3/cmake .deps/share/eigen3/ && cp -r /usr/lib/cmake/doctest .deps/lib/cmake/
-#   sed -i 's|set(_IMPORT_PREFIX "/usr")|get_filename_component(_IMPORT_PREFIX "${CMAKE_CURRENT_LIST_DIR}/../../.." ABSOLUTE)|' \
-#     .deps/lib/cmake/doctest/doctestTargets.cmake
-#   mkdir -p .ab/base && git archive COMMIT CMakeLists.txt CMakePresets.json common chapters tests | tar -x -C .ab/base
+# files included); a base tree (git archive of an older commit) as BASE_SOURCE_DIR. tests/gpu_prepare.sh COMMIT
+# makes both, in .deps/ and .ab/base, folders .git/info/exclude ignores; the device call carries them.
 # Everything lands in OUT_DIR and in one archive beside it, OUT_DIR.tgz (a device call returns few files).
 set -uo pipefail
 out=${1:?usage: gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]}

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Run here, before the one device call of a session lent a GPU (tests/gpu_session.sh says what that call does):
+# makes what the GPU machine lacks and the call must carry - the header-only Eigen and doctest as a prefix in
+# .deps/ (their CMake config files included, doctest's made relocatable), and an older tree to compare with in
+# .ab/base (a git archive of BASE_COMMIT). Both folders are ignored through .git/info/exclude, never committed.
+# Usage, from the repository root: bash tests/gpu_prepare.sh BASE_COMMIT
+set -euo pipefail
+base=${1:?usage: gpu_prepare.sh BASE_COMMIT (the commit to compare with, e.g. the last one measured on a GPU)}
+git rev-parse --verify --quiet "$base^{commit}" >/dev/null || { echo "gpu_prepare.sh: no commit $base" >&2; exit 2; }
+for path in /usr/include/eigen3 /usr/include/doctest /usr/share/eigen3/cmake /usr/lib/cmake/doctest; do
+  [[ -e $path ]] || { echo "gpu_prepare.sh: $path is missing; run common/install-deps.sh build first" >&2; exit 2; }
+done
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+for ignored in /.deps/ /.ab/; do
+  grep -qxF "$ignored" "$exclude" 2>/dev/null || echo "$ignored" >>"$exclude"
+done
+rm -rf .deps .ab
+mkdir -p .deps/include .deps/share/eigen3 .deps/lib/cmake .ab/base
+cp -r /usr/include/eigen3 /usr/include/doctest .deps/include/
+cp -r /usr/share/eigen3/cmake .deps/share/eigen3/
+cp -r /usr/lib/cmake/doctest .deps/lib/cmake/
+sed -i 's|set(_IMPORT_PREFIX "/usr")|get_filename_component(_IMPORT_PREFIX "${CMAKE_CURRENT_LIST_DIR}/../../.." ABSOLUTE)|' \
+  .deps/lib/cmake/doctest/doctestTargets.cmake
+git archive "$base" CMakeLists.txt CMakePresets.json common chapters tests | tar -x -C .ab/base
+echo "made .deps ($(du -sh .deps | cut -f1)) and .ab/base ($(git rev-parse --short "$base"), $(du -sh .ab/base | cut -f1))."
+echo "Now one device call: run(command='bash tests/gpu_session.sh \$OUT/s .ab/base', carry=['.deps', '.ab'])"
