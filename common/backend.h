@@ -158,8 +158,9 @@ class Backend {
   // is coded as it is written (chapter 10). Parts in order of offset, none overlapping the next. Defined as
   // write_paged_rows (or write_paged_coded_rows) for each part, keys then values, in order: the default
   // implementation. A GPU writes them all in one launch: at batch 64 a layer would otherwise launch 128 kernels of
-  // a row each, a launch costing more than its copy. Two parts mapping a position to the same row (only chapter
-  // 09's broken copy-on-write does) land in the definition's order; in one launch, either may win.
+  // a row each, a launch costing more than its copy. Two parts mapping a position to the same row (only the break
+  // experiments do: chapter 08's block freed twice, chapter 09's copy-on-write turned off) land in the
+  // definition's order, the last part's row whole; in one launch the row may end up any mix of the two.
   virtual void write_paged_batch(const CodedRows& keys, const CodedRows& values, const int* positions,
                                  std::span<const PagedPart> parts, const float* k, const float* v) {
     for (const PagedPart& p : parts)

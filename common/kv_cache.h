@@ -160,7 +160,8 @@ class KvCache {
   // caches share (chapter 08's paged sequences), after the checks write() makes: the model then writes the
   // sequences of a batch that share a pool together, one Backend::write_paged_batch a layer (on a GPU one launch
   // where a write() per sequence is two), and does not call write(). Such a cache's write() is that call for
-  // its one sequence, so both ways store the same bytes. nullopt (the default): the model calls write().
+  // its one sequence (through the backend the model runs on, whose memory the rows are), so both ways store the
+  // same bytes. nullopt (the default): the model calls write().
   virtual std::optional<PagedWrite> paged_write(int /*layer*/, int /*pos*/, int /*n*/) const { return std::nullopt; }
   // What this layer's attention reads; includes the positions just written.
   virtual KvView view(int layer) const = 0;

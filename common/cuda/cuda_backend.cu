@@ -1098,45 +1098,49 @@ class CudaBackend final : public Backend {
 
   void write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
                   int width) override {
-    KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, row_stride,
-               positions, ring, src, width);
+    if (n > 0)  // a grid of no blocks is an invalid launch
+      KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, row_stride,
+                 positions, ring, src, width);
   }
   void write_positions(int* slot_positions, const int* positions, Ring ring, int n) override {
     KVS_LAUNCH(write_positions_kernel, dim3(1), dim3(kThreads), 0, stream_, slot_positions, positions, ring, n);
   }
   void write_paged_rows(float* rows, int row_stride, const int* positions, BlockTable table, const float* src, int n,
                         int width) override {
-    KVS_LAUNCH(write_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, row_stride,
-               positions, table, src, width);
+    if (n > 0)  // a grid of no blocks is an invalid launch
+      KVS_LAUNCH(write_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows,
+                 row_stride, positions, table, src, width);
   }
   // Up to kMaxBatchSequences sequences a launch (a decode step of 64 sequences: one launch a layer, not 128).
   void write_paged_batch(const CodedRows& keys, const CodedRows& values, const int* positions,
                          std::span<const PagedPart> parts, const float* k, const float* v) override {
+    for (std::size_t i = 0; i < parts.size(); ++i)  // what the kernel's scan for a row's part relies on
+      if (parts[i].n < 0 || parts[i].offset < (i == 0 ? 0 : parts[i - 1].offset + parts[i - 1].n))
+        throw std::invalid_argument("write_paged_batch: parts must be in order of offset and must not overlap");
     for (std::size_t first = 0; first < parts.size(); first += kMaxBatchSequences) {
       const int count = static_cast<int>(std::min<std::size_t>(kMaxBatchSequences, parts.size() - first));
       const int base = parts[first].offset;  // the launch's rows from here: offsets relative to it
       PagedParts launch;
-      int end = 0;  // the rows of the launch
       for (int j = 0; j < count; ++j) {
         const PagedPart& p = parts[first + j];
-        if (p.offset - base < end || p.n < 0)
-          throw std::invalid_argument("write_paged_batch: parts must be in order of offset and must not overlap");
         launch.part[j] = PagedPart{p.offset - base, p.n, p.table};
-        end = p.offset - base + p.n;
       }
+      const int end = launch.part[count - 1].offset + launch.part[count - 1].n;  // the rows of the launch
       if (end > 0)
         KVS_LAUNCH(write_paged_batch_kernel, dim3(static_cast<unsigned>(end), 2), dim3(kThreads), 0, stream_, keys, values,
                    positions + base, launch, count, k + std::size_t(base) * keys.width, v + std::size_t(base) * values.width);
     }
   }
   void write_coded_rows(const CodedRows& rows, const int* positions, Ring ring, const float* src, int n) override {
-    KVS_LAUNCH(write_coded_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, positions,
-               ring, src);
+    if (n > 0)  // a grid of no blocks is an invalid launch
+      KVS_LAUNCH(write_coded_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows,
+                 positions, ring, src);
   }
   void write_paged_coded_rows(const CodedRows& rows, const int* positions, BlockTable table, const float* src,
                               int n) override {
-    KVS_LAUNCH(write_coded_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows,
-               positions, table, src);
+    if (n > 0)  // a grid of no blocks is an invalid launch
+      KVS_LAUNCH(write_coded_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows,
+                 positions, table, src);
   }
   void encode_channel_groups(const CodedRows& rows, int first_group, int groups, const float* src) override {
     if (groups > 0)
