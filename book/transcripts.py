@@ -105,6 +105,7 @@ def shrink(command):
         command = re.sub(r"--requests \d+", "--requests 6", command)
         command = re.sub(r"--batch-sizes [\d,]+", "--batch-sizes 1,2", command)
         command = re.sub(r"--block-sizes [\d,]+", "--block-sizes 16", command)
+        command = re.sub(r"--synthetic [\d,]+", "--synthetic 256,2,4,2", command)
         if "--experiment throughput" in command and "--batch-sizes" not in command:
             command += " --batch-sizes 1,2"
         if "--experiment memory" in command and "--block-sizes" not in command:

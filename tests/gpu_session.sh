@@ -62,6 +62,10 @@ if has chapters; then
   build/release/bin/08_paged_batching --backend cuda --experiment throughput --csv "$out/batch_throughput_gpu.csv" \
     >"$out/batch_throughput_gpu.log" 2>&1
   echo "== chapter 08 throughput on the GPU: exit $?"; tail -12 "$out/batch_throughput_gpu.log"
+  build/release/bin/08_paged_batching --backend cuda --experiment throughput --synthetic 2048,16,16,4 --kv-memory 1GiB \
+    --memory-limit 16GiB --prompt-lengths 16,16 --output-lengths 64,64 --csv "$out/batch_throughput_synthetic_gpu.csv" \
+    >"$out/batch_throughput_synthetic_gpu.log" 2>&1
+  echo "== chapter 08 throughput, synthetic 2048,16,16,4, on the GPU: exit $?"; tail -12 "$out/batch_throughput_synthetic_gpu.log"
   build/release/bin/10_quantized_cache --backend cuda --experiment speed --csv "$out/kv_format_speed_gpu.csv" \
     >"$out/kv_format_speed_gpu.log" 2>&1
   echo "== chapter 10 speed on the GPU: exit $?"; tail -12 "$out/kv_format_speed_gpu.log"

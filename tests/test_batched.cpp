@@ -616,6 +616,34 @@ TEST_CASE("08_paged_batching --experiment preemption: watermarks 0 to 8 preempt 
   CHECK(refused.err.find("drop --watermark") != std::string::npos);
 }
 
+// --synthetic for the throughput experiment: random weights of a chosen shape (a model too large for the caches, where
+// batching pays: book 08), a row per batch size; attention's scratch sized for the run's sequences (12 positions),
+// not the synthetic context of 65,536 (which would take 64 MiB of scores at this shape); refused with one line by
+// every other experiment and beside --model.
+TEST_CASE("08_paged_batching --experiment throughput --synthetic: a chosen shape, a row per batch, refused elsewhere") {
+  const std::string bin = std::string(KVS_BIN_DIR) + "/08_paged_batching";
+  const auto r = test::run_command(bin + " --experiment throughput --synthetic 64,2,4,2 --threads 1 --prompt-lengths 8,8 "
+                                         "--output-lengths 4,4 --batch-sizes 1,3");
+  CAPTURE(r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("model synthetic: dim 64, 2 layers, 4 query heads / 2 KV heads of 16") != std::string::npos);
+  CHECK(r.err.find("\n     1 ") != std::string::npos);
+  CHECK(r.err.find("\n     3 ") != std::string::npos);
+  const std::size_t buffers = r.err.find("working buffers ");
+  REQUIRE(buffers != std::string::npos);
+  const std::string size = r.err.substr(buffers + 16, r.err.find(" for ", buffers) - buffers - 16);  // e.g. "1.3 MiB"
+  CAPTURE(size);
+  CHECK((size.find("KiB") != std::string::npos || (size.find("MiB") != std::string::npos && std::stod(size) < 4)));
+  for (const char* other : {"", " --experiment serve", " --experiment memory", " --experiment break"}) {
+    CAPTURE(other);
+    const auto refused = test::run_command(bin + " --synthetic 64,2,4,2" + other);
+    CHECK(refused.exit_code == 2);
+    CHECK(std::count(refused.err.begin(), refused.err.end(), '\n') == 1);
+    CHECK(refused.err.find("only --experiment throughput") != std::string::npos);
+  }
+  CHECK(test::run_command(bin + " --experiment throughput --synthetic 64,2,4,2 --model x.bin").exit_code == 2);
+}
+
 TEST_CASE("scheduler: a request that can never fit is refused before anything runs, naming it") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   CpuBackend cpu(1);

@@ -53,12 +53,21 @@ int main(int argc, char** argv) {
   parser.add_int("--token-budget", "tokens in one step, decode tokens and prompt chunks (default 256)", &token_budget, 1, 1 << 16);
   parser.add_int("--watermark", "blocks an admission leaves free while sequences run (default 0)", &watermark, 0, 1 << 30);
   parser.add_string("--batch-sizes", "LIST", "throughput: batch sizes (default 1,2,4,8,16,32,64)", &batch_sizes);
+  parser.add_string("--synthetic", "DIM,LAYERS,HEADS,KV_HEADS",
+                    "throughput: instead of the shipped model, random weights of this shape (as 03_benchmark's, e.g.\n"
+                    "1024,8,8,2: 0.4 GB), a model too large for the caches, where batching pays; give --kv-memory for\n"
+                    "its batch", &options.synthetic);
   parser.add_string("--block-sizes", "LIST", "memory: block sizes besides the max-length reservation (default 1,4,16,64,256)",
                     &block_sizes);
   parser.add_check([&] {
     for (const char* name : {"serve", "throughput", "memory", "batching", "preemption", "break"})
       if (experiment == name) return std::string();
     return "--experiment " + experiment + " is not one of serve, throughput, memory, batching, preemption, break";
+  });
+  parser.add_check([&] {
+    if (options.synthetic.empty() || experiment == "throughput") return std::string();
+    return "--synthetic: random weights write gibberish, which only --experiment throughput (timings) can use, not " +
+           experiment;
   });
   parser.add_check([&] {
     if (kvs::parse_kv_format(kv_format, pool_format.format)) return std::string();
@@ -102,15 +111,19 @@ int main(int argc, char** argv) {
       throw kvs::UsageError("--batch-sizes up to " + std::to_string(largest_batch) + " exceed --token-budget " +
                             std::to_string(token_budget) + ": raise the budget");
 
-    // The model's calls carry up to token_budget tokens; a sequence's attention reads up to the whole context.
-    // (The default prompt "x" is unused: requests bring their own.)
-    kvs::Runtime rt(options, "x", kvs::PromptFit::kCutByCaller, token_budget, -1);
+    // The model's calls carry up to token_budget tokens; a sequence's attention reads up to the whole context -
+    // but a synthetic model's context is 65,536 positions, and its throughput runs read prompt + new tokens at
+    // most: attention's scratch is sized for that. (The default prompt "x" is unused: requests bring their own.)
+    const bool synthetic = !options.synthetic.empty();
+    kvs::Runtime rt(options, "x", kvs::PromptFit::kCutByCaller, token_budget, synthetic ? prompts[0] + outputs[1] : -1);
     const kvs::ModelConfig& c = rt.model.config();
     if (const std::string why = kvs::kv_format_shape_error(pool_format.format, c.head_dim(), int4_group); !why.empty())
       throw kvs::UsageError("--int4-group " + std::to_string(int4_group) + ": " + why);
-    // The pool, and the cache a request served alone uses for the check (chapter 03's, or a one-sequence pool).
-    rt.plan_kv_cache(kv_memory + kvs::ch08::BlockPool::block_bytes(c, kvs::blocks_needed(c.seq_len, block_size) * block_size,
-                                                                   pool_format));
+    // The pool, and the cache a request served alone uses for the check (chapter 03's, or a one-sequence pool); the
+    // throughput experiment checks nothing against a request alone.
+    rt.plan_kv_cache(kv_memory + (experiment == "throughput" ? 0
+                                  : kvs::ch08::BlockPool::block_bytes(c, kvs::blocks_needed(c.seq_len, block_size) * block_size,
+                                                                      pool_format)));
     std::vector<kvs::ch08::Request> requests;
     if (!trace_file.empty()) {
       requests = kvs::ch08::parse_trace(kvs::read_input_file("--trace", trace_file, std::size_t{64} << 20), trace_file);
