@@ -42,6 +42,8 @@ ch08=build/release/bin/08_paged_batching
 for threads in 1 2; do
   "$ch08" --experiment throughput --threads "$threads" --csv "plots/data/batch_throughput_${threads}t.csv" "$@"
 done
+"$ch08" --experiment throughput --synthetic 1024,8,8,2 --kv-memory 64MiB --prompt-lengths 16,16 --output-lengths 16,16 \
+  --batch-sizes 1,4,16,64 --threads 2 --csv plots/data/batch_throughput_synthetic_2t.csv "$@"
 "$ch08" --experiment memory --requests 64 --kv-memory 16MiB --csv plots/data/paged_memory.csv "$@"
 "$ch08" --experiment batching --requests 64 --mean-gap 4 --max-batch 16 --csv plots/data/batching.csv "$@"
 "$ch08" --experiment preemption --requests 32 --kv-memory 1MiB --csv plots/data/preemption.csv "$@"
