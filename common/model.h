@@ -59,7 +59,7 @@ class Model {
   // the same operations. What a sequence gets inside a batch equals what it gets alone up to the summation
   // order of the products, which may depend on how many rows a product has (CPU: its few-token product up
   // to 64 rows, which sums each row as it would alone, so a decode step of up to 64 sequences is bit for
-  // bit each sequence alone; Eigen's blocked matrix product above; CUDA: gemv_kernel up to fused_tokens() = 8,
+  // bit each sequence alone; Eigen's blocked matrix product above; CUDA: gemv_kernel up to fused_tokens() = 64,
   // which also sums each token as it would alone, cuBLAS above): the same greedy tokens, logits within a few
   // 1e-5 (tests/test_batched.cpp measures both).
   // When it throws: a call refused by its checks (tokens, positions, caches) touches no cache; one that

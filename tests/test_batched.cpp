@@ -404,10 +404,12 @@ TEST_CASE("batched forward: each sequence's logits equal its logits alone within
 // A decode step of a few sequences is exact: each sequence gets the bits of its step alone. On the CPU up to 64
 // sequences: cpu_backend.cpp's few-token products sum every token's outputs in the order one token alone gets
 // (three steps of 2, 9, 16 and 64 sequences: tiles of 8 tokens with AVX-512, else 4 - one tile, two, several
-// taking the inputs in chunks). On the CUDA kernels up to fused_tokens() = 8: gemv_kernel sums each token's products in the same
-// order whichever of its 1, 2, 4, 8-token forms runs (each token's sums its own, the warp's reduce-scatter adds
-// the same pairs of lanes as a plain warp sum, and addition is commutative), so 2, 3 and 8 sequences. Everything
-// else (norms, RoPE, attention over each sequence's own cache) is per token already.
+// taking the inputs in chunks). On the CUDA kernels up to fused_tokens() = 64: gemv_kernel sums each token's products in
+// the same order whichever of its 1, 2, 4, 8-token forms runs and whichever tile of 8 tokens holds it (each token's
+// sums its own, the warp's reduce-scatter adds the same pairs of lanes as a plain warp sum, and addition is
+// commutative), so 2, 3, 9 (a second tile of one token) and 20 (a third of four; 64 itself is the kernel test's,
+// against the definition, and the next test's operation count: 64 sequences through the harness take a minute).
+// Everything else (norms, RoPE, attention over each sequence's own cache) is per token already.
 TEST_CASE("batched decode: a few sequences each get the very bits of their step alone, every backend") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   const ModelConfig& c = checkpoint.config();
@@ -416,7 +418,7 @@ TEST_CASE("batched decode: a few sequences each get the very bits of their step 
     Model model(checkpoint, backend, 128, 256);
     using Cache = ch03::PreallocatedKvCache;
     const bool cpu = backend.fused_tokens() == 0;
-    for (const int sequences : cpu ? std::vector<int>{2, 9, 16, 64} : std::vector<int>{2, 3, backend.fused_tokens()}) {
+    for (const int sequences : cpu ? std::vector<int>{2, 9, 16, 64} : std::vector<int>{2, 3, 9, 20}) {
       CAPTURE(sequences);
       std::vector<std::vector<int>> prompts;
       std::vector<Cache> batched_caches, alone_caches;
@@ -452,8 +454,9 @@ TEST_CASE("batched decode: a few sequences each get the very bits of their step 
 // (KvCache::paged_write), any other cache with its write(): sequences of an fp32 pool, of an int8 pool (not the
 // first pool of the batch: written one by one) and a preallocated cache, interleaved, each get the bits of their
 // decode step alone, three steps, crossing block boundaries (8 sequences: the CUDA kernels' fused products are
-// exact up to fused_tokens() = 8). And a decode step's backend operations, counted by ProfilingBackend, are as
-// many for 8 sequences of one pool as for 2: a write() per sequence would add one a sequence and layer.
+// exact up to fused_tokens() = 64). And a decode step's backend operations, counted by ProfilingBackend, are as
+// many for 8 and 64 sequences of one pool as for 2: a write() per sequence would add one a sequence and layer, and
+// products past the CUDA kernels' fused_tokens() their definitions' operations.
 TEST_CASE("batched decode through pools: one cache write a layer for a pool's sequences, each sequence's bits as alone, every backend") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   const ModelConfig& c = checkpoint.config();
@@ -497,27 +500,29 @@ TEST_CASE("batched decode through pools: one cache write a layer for a pool's se
       CHECK(identical == sequences);
     }
 
-    // Operations of one decode step of `count` sequences of one pool, blocks large enough that no step takes one
+    // Operations of the second decode step of `count` sequences of one pool, blocks large enough that it takes none
     // (a block taken uploads a table entry: a transfer, counted).
     auto step_operations = [&](int count) {
       ch08::BlockPool pool(backend, c, count, 256, count, 256);
       std::vector<std::unique_ptr<ch08::PagedSequence>> caches;
       std::vector<SequenceStep> batch;
+      const std::vector<int> tokens = encode_bytes(text.substr(0, std::size_t(count)));
       for (int i = 0; i < count; ++i) {
         caches.push_back(std::make_unique<ch08::PagedSequence>(pool));
-        const std::vector<int> prompt = encode_bytes(text.substr(std::size_t(i) * 100, 10));
-        model.forward(prompt, 0, caches[i].get());
-        batch.push_back({std::span(next).subspan(std::size_t(i), 1), 10, caches[i].get()});
+        batch.push_back({std::span(tokens).subspan(std::size_t(i), 1), 0, caches[i].get()});
       }
+      model.forward(batch);  // position 0: each sequence takes its block
+      for (SequenceStep& s : batch) s.pos = 1;
       backend.reset();
       model.forward(batch);
       std::int64_t operations = 0;
       for (OpKind kind : {OpKind::kMatmul, OpKind::kAttention, OpKind::kOther}) operations += backend.operations(kind);
       return operations;
     };
-    const std::int64_t two = step_operations(2), eight = step_operations(8);
-    MESSAGE("backend operations of a decode step: " << two << " for 2 sequences, " << eight << " for 8");
+    const std::int64_t two = step_operations(2), eight = step_operations(8), many = step_operations(64);
+    MESSAGE("backend operations of a decode step: " << two << " for 2 sequences, " << eight << " for 8, " << many << " for 64");
     CHECK(eight == two);
+    CHECK(many == two);  // 64: the batched write's and attention's launch limit, the CUDA products' fused limit
   });
 }
 

@@ -13,7 +13,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -45,6 +47,18 @@ float worst_excess(const std::vector<float>& got, const std::vector<float>& want
     worst = std::max(worst, std::abs(got[i] - want[i]) - (atol + kRtol * std::abs(want[i])));
   }
   return worst;
+}
+
+// Runs a fused operation: where `fused`, recorded and replayed once (its results land as a plain call's would),
+// and checked to be one launch; otherwise (its definition: cuBLAS, which is not captured here) called plainly.
+template <class Run>
+void run_fused(Backend& b, bool fused, Run run) {
+  if (!fused) return run();
+  const int recording = b.begin_recording();
+  run();
+  b.end_recording();
+  b.replay(recording);
+  CHECK(b.recorded_launches() == 1);
 }
 
 std::vector<std::string> kernel_backends() {
@@ -119,11 +133,13 @@ TEST_CASE("cuda kernels: matrix products through the BLAS interface equal the CP
 }
 
 // The fused operations (backend.h): the CPU runs their definitions (norm, products, RoPE, SwiGLU, add as
-// separate operations); the CUDA backend runs one gemv_kernel per call of up to fused_tokens() tokens. Shapes
-// cross what that kernel splits on: the token counts it is compiled for (1, 2, 4, 8) and 9 (the definition
-// again), d_in a multiple of 4 (16-byte loads) or not (one float at a time), d_in past one sweep of a block's
-// lanes (512 floats), products whose rows are not a multiple of the 4 a block computes (so a block holds rows
-// of two products), a RoPE product starting at an odd row (the launch must fall back to the definition).
+// separate operations); the CUDA backend runs one gemv_kernel per call of up to fused_tokens() = 64 tokens. Shapes
+// cross what that kernel splits on: the token counts it is compiled for (1, 2, 4, 8), tiles of 8 tokens past 8
+// (9: a second tile of one token; 17, 64: three and eight tiles) and 65 (the definition again), d_in a multiple
+// of 4 (16-byte loads) or not (one float at a time), d_in past one sweep of a block's lanes (512 floats),
+// products whose rows are not a multiple of the 4 a block computes (so a block holds rows of two products), a
+// RoPE product starting at an odd row (the launch must fall back to the definition). A call that should be fused
+// is recorded and its launches counted (run_fused): one, so a call that fell back to the definition fails.
 TEST_CASE("cuda kernels: the fused norm-products, SwiGLU and residual add equal their definitions") {
   CpuBackend cpu(1);
   std::mt19937 gen(10);
@@ -135,6 +151,7 @@ TEST_CASE("cuda kernels: the fused norm-products, SwiGLU and residual add equal 
     struct Case {
       int n, d_in, head_dim;
       std::vector<Out> outs;
+      bool fused = true;  // up to 64 tokens, RoPE on pairs of a block's rows
     };
     const std::vector<Case> cases = {
         {1, 128, 32, {{128, true}, {64, true}, {64, false}}},  // the shipped model's q, k, v
@@ -143,7 +160,10 @@ TEST_CASE("cuda kernels: the fused norm-products, SwiGLU and residual add equal 
         {5, 33, 6, {{6, true}, {6, true}, {6, false}}},
         {2, 64, 10, {{30, true}, {10, true}, {10, false}}},  // product 1 starts inside a block
         {9, 64, 4, {{8, true}, {4, true}, {4, false}}},
-        {1, 64, 2, {{6, false}, {5, false}, {4, true}}},  // RoPE from row 11: not a pair of one block
+        {17, 36, 6, {{18, true}, {6, true}, {6, false}}},  // product 1 starts inside a block, a tile of one token
+        {64, 128, 32, {{128, true}, {64, true}, {64, false}}},  // 64 sequences of the shipped model
+        {65, 64, 4, {{8, true}, {4, true}, {4, false}}, false},
+        {1, 64, 2, {{6, false}, {5, false}, {4, true}}, false},  // RoPE from row 11: not a pair of one block
         {1, 128, 32, {{256, false}}},                        // the classifier
     };
     for (const Case& k : cases) {
@@ -167,7 +187,7 @@ TEST_CASE("cuda kernels: the fused norm-products, SwiGLU and residual add equal 
       }
       std::vector<float> normed(x.size());
       cpu.norm_products(normed.data(), x.data(), g.data(), k.n, k.d_in, k.head_dim, cpu_products);
-      b.norm_products(d_normed.data(), d_x.data(), d_g.data(), k.n, k.d_in, k.head_dim, products);
+      run_fused(b, k.fused, [&] { b.norm_products(d_normed.data(), d_x.data(), d_g.data(), k.n, k.d_in, k.head_dim, products); });
       for (std::size_t i = 0; i < k.outs.size(); ++i) {
         CAPTURE(i);
         CHECK(worst_excess(test::from_backend(b, got[i]), want[i], 1e-4f) <= 0);
@@ -177,7 +197,8 @@ TEST_CASE("cuda kernels: the fused norm-products, SwiGLU and residual add equal 
     struct Shape {
       int n, d_in, d_out;
     };
-    for (const Shape s : {Shape{1, 128, 384}, Shape{4, 60, 13}, Shape{8, 516, 7}, Shape{3, 33, 10}, Shape{9, 64, 16}}) {
+    for (const Shape s : {Shape{1, 128, 384}, Shape{4, 60, 13}, Shape{8, 516, 7}, Shape{3, 33, 10}, Shape{9, 64, 16},
+                          Shape{20, 36, 10}, Shape{65, 64, 16}}) {
       CAPTURE(s.n); CAPTURE(s.d_in); CAPTURE(s.d_out);
       const std::vector<float> x = random_vector(std::size_t(s.n) * s.d_in, gen, 2.0f), g = random_vector(s.d_in, gen);
       // Weights of a trained layer's scale (1/sqrt(d_in)): gate and up of order 1, so their product's rounding
@@ -190,21 +211,48 @@ TEST_CASE("cuda kernels: the fused norm-products, SwiGLU and residual add equal 
                       cpu.upload_matrix(w3.data(), s.d_out, s.d_in), s.n, s.d_in, s.d_out);
       Buffer d_x = test::to_backend(b, x), d_g = test::to_backend(b, g), d_gate(b, gate.size()), d_up(b, gate.size()),
              d_normed(b, x.size());
-      b.norm_swiglu(d_gate.data(), d_up.data(), d_normed.data(), d_x.data(), d_g.data(),
-                    b.upload_matrix(w1.data(), s.d_out, s.d_in), b.upload_matrix(w3.data(), s.d_out, s.d_in), s.n, s.d_in,
-                    s.d_out);
+      const float *d_w1 = b.upload_matrix(w1.data(), s.d_out, s.d_in), *d_w3 = b.upload_matrix(w3.data(), s.d_out, s.d_in);
+      run_fused(b, s.n <= 64, [&] {
+        b.norm_swiglu(d_gate.data(), d_up.data(), d_normed.data(), d_x.data(), d_g.data(), d_w1, d_w3, s.n, s.d_in, s.d_out);
+      });
       CHECK(worst_excess(test::from_backend(b, d_gate), gate, 1e-4f) <= 0);
     }
-    for (const Shape s : {Shape{1, 384, 128}, Shape{2, 33, 9}, Shape{8, 516, 130}, Shape{9, 64, 8}}) {
+    for (const Shape s : {Shape{1, 384, 128}, Shape{2, 33, 9}, Shape{8, 516, 130}, Shape{9, 64, 8}, Shape{64, 384, 128},
+                          Shape{65, 64, 8}}) {
       CAPTURE(s.n); CAPTURE(s.d_in); CAPTURE(s.d_out);
       const std::vector<float> in = random_vector(std::size_t(s.n) * s.d_in, gen), w = random_vector(std::size_t(s.d_out) * s.d_in, gen);
       std::vector<float> x = random_vector(std::size_t(s.n) * s.d_out, gen), product(x.size());
       Buffer d_in = test::to_backend(b, in), d_x = test::to_backend(b, x), d_product(b, x.size());
       cpu.matmul_add(x.data(), product.data(), in.data(), cpu.upload_matrix(w.data(), s.d_out, s.d_in), s.n, s.d_in, s.d_out);
-      b.matmul_add(d_x.data(), d_product.data(), d_in.data(), b.upload_matrix(w.data(), s.d_out, s.d_in), s.n, s.d_in, s.d_out);
+      const float* d_w = b.upload_matrix(w.data(), s.d_out, s.d_in);
+      run_fused(b, s.n <= 64, [&] { b.matmul_add(d_x.data(), d_product.data(), d_in.data(), d_w, s.n, s.d_in, s.d_out); });
       CHECK(worst_excess(test::from_backend(b, d_x), x, 1e-4f) <= 0);
     }
   });
+}
+
+// KVS_GEMV_MAX_TOKENS (tests/gpu_session.sh's A/B of the fused products against cuBLAS for 9 to 64 tokens):
+// lowers the limit, so a call of more tokens takes the definition; anything but 1 to 64 refuses the backend with
+// the reason. Unset again whatever happens (another test case may run in this process).
+TEST_CASE("cuda kernels: KVS_GEMV_MAX_TOKENS lowers the fused products' limit and refuses what is not 1 to 64") {
+  struct Unset {
+    ~Unset() { unsetenv("KVS_GEMV_MAX_TOKENS"); }
+  } unset;
+  for (const std::string& name : kernel_backends()) {
+    CAPTURE(name);
+    setenv("KVS_GEMV_MAX_TOKENS", "8", 1);
+    const std::unique_ptr<Backend> b = test::make_test_backend(name);
+    CHECK(b->fused_tokens() == 8);
+    unsetenv("KVS_GEMV_MAX_TOKENS");
+    CHECK(test::make_test_backend(name)->fused_tokens() == 64);
+    for (const char* value : {"0", "65", "8x", "", "-1"}) {
+      CAPTURE(value);
+      setenv("KVS_GEMV_MAX_TOKENS", value, 1);
+      CHECK_THROWS_WITH_AS(test::make_test_backend(name), doctest::Contains("expected a whole number from 1 to 64"),
+                           std::invalid_argument);
+    }
+    unsetenv("KVS_GEMV_MAX_TOKENS");
+  }
 }
 
 TEST_CASE("cuda kernels: RoPE tables and rotations equal the CPU backend, positions past 2^16 included") {

@@ -9,7 +9,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -602,7 +604,8 @@ __global__ void attention_merge_kernel(float* out, const float* partials, int sp
 }
 
 // ---- products for a few tokens (decode): the fused operations of backend.h, one kernel each ----
-// out (n, d_out) = x (n, d_in) · wᵀ for n <= kGemvTokens, every weight read once for all n tokens. A decode
+// out (n, d_out) = x (n, d_in) · wᵀ for n <= kGemvMaxTokens, every weight read once for a tile of up to kGemvTokens
+// tokens (and from memory once for all n: see the tiles below). A decode
 // step is weight reads: cuBLAS's product with one row of activations ran at ~1.1 TB/s on an H100, and a
 // layer took 17 launches, 10 of them tiny kernels between the products (book 07). Here a block computes
 // kGemvRows output rows for every token; its warps (enough for d_in, up to kGemvWarps) split d_in, each lane loading kWidth
@@ -614,9 +617,29 @@ __global__ void attention_merge_kernel(float* out, const float* partials, int sp
 //   - SwiGLU: the block computes the same rows of w1 and w3 and stores silu(a) ⊙ b;
 //   - the residual add: out += instead of out =.
 // Up to kGemvMaxProducts products of one input share a launch (attention's q, k and v: one launch of 3072
-// rows instead of three, two of them too small to fill the GPU). Grid (ceil(rows / kGemvRows)), block
+// rows instead of three, two of them too small to fill the GPU). More than kGemvTokens tokens (a batch of
+// chapter 08's sequences, up to kGemvMaxTokens) are tiles of kGemvTokens, a block per tile and group of rows:
+// the registers of a block's sums grow with its tokens, so a tile of 8 is as wide as a block goes. A tile's
+// tokens are summed exactly as they would be alone (each token's sums are its own), so every token of a batch
+// gets the bits of its step alone (tested). Grid (ceil(rows / kGemvRows) · ceil(n / kGemvTokens)), block up to
 // kGemvWarps · 32.
-constexpr int kGemvTokens = 8;
+constexpr int kGemvTokens = 8;     // a block's tokens (its tile)
+constexpr int kGemvMaxTokens = 64;  // a launch's: chapter 08's largest batch; more (prefill) takes cuBLAS
+
+// The most tokens the fused products take on this run: kGemvMaxTokens, or KVS_GEMV_MAX_TOKENS (1 to 64) where set.
+// Why a variable: whether tiles of 8 beat cuBLAS for a large model's batch of 9 to 64 is a GPU's measurement, and
+// tests/gpu_session.sh makes it with one build (chapter 08's throughput with the limit at 8 and at 64).
+int gemv_max_tokens() {
+  const char* value = std::getenv("KVS_GEMV_MAX_TOKENS");
+  if (!value) return kGemvMaxTokens;
+  char* end = nullptr;
+  const long tokens = std::strtol(value, &end, 10);
+  if (end == value || *end != '\0' || tokens < 1 || tokens > kGemvMaxTokens)
+    throw std::invalid_argument(std::string("KVS_GEMV_MAX_TOKENS=") + value + ": expected a whole number from 1 to " +
+                                std::to_string(kGemvMaxTokens) + " (the most tokens a fused product takes); unset it for " +
+                                std::to_string(kGemvMaxTokens));
+  return static_cast<int>(tokens);
+}
 constexpr int kGemvRows = 4;  // even: a RoPE pair (rows 2i, 2i+1 of a product starting at an even row) stays in one block
 constexpr int kGemvWarps = 4;
 constexpr int kGemvMaxProducts = 3;
@@ -709,7 +732,12 @@ __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_kernel(GemvArgs a) {
   __shared__ float lanes[kGemvWarps][kValues + kTokens][kWarp];  // each lane's partial sums (when warps > 1)
   __shared__ float totals[kValues], square_totals[kTokens];       // the block's sums
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
-  const int first = blockIdx.x * kGemvRows;
+  // The block's rows and tile of tokens. The tile varies fastest, so the blocks that read the same weight rows
+  // run side by side: the first reads them from memory, the others from L2.
+  const int tiles = (a.n + kTokens - 1) / kTokens, tile = blockIdx.x % tiles;
+  const int first = blockIdx.x / tiles * kGemvRows, first_token = tile * kTokens;
+  const int n = a.n - first_token < kTokens ? a.n - first_token : kTokens;  // the tile's tokens
+  const float* x_tile = a.x + std::size_t(first_token) * a.d_in;  // (n, d_in)
   // The block's weight rows; past the launch's last row, the last row again (read, never stored), so that
   // every load below is unconditional.
   const float* w_rows[kMatrices][kGemvRows];
@@ -728,8 +756,8 @@ __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_kernel(GemvArgs a) {
     if (a.norm_weight) g = load_floats<kWidth>(a.norm_weight + c);
     KVS_UNROLL
     for (int t = 0; t < kTokens; ++t) {
-      if (t >= a.n) break;
-      Floats<kWidth> x = load_floats<kWidth>(a.x + std::size_t(t) * a.d_in + c);
+      if (t >= n) break;
+      Floats<kWidth> x = load_floats<kWidth>(x_tile + std::size_t(t) * a.d_in + c);
       KVS_UNROLL
       for (int k = 0; k < kWidth; ++k) {
         square[t] += x.v[k] * x.v[k];
@@ -793,15 +821,16 @@ __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_kernel(GemvArgs a) {
   }
   __syncthreads();
 
-  // Thread (r, t) of the first kGemvRows · kTokens finishes the block's row r for token t.
+  // Thread (r, t) of the first kGemvRows · kTokens finishes the block's row r for the tile's token t.
   const int r = threadIdx.x / kTokens, t = threadIdx.x % kTokens;
-  if (r >= kGemvRows || t >= a.n || first + r >= a.rows) return;
+  if (r >= kGemvRows || t >= n || first + r >= a.rows) return;
   const float inv_rms = a.norm_weight ? inverse_rms(square_totals[t], a.d_in) : 1.0f;
   auto value = [&](int m, int row) { return totals[(m * kGemvRows + row) * kTokens + t] * inv_rms; };
   GemvProduct product;
   int local = 0;
   find_row(a, first + r, product, local);
-  float* out = product.out + std::size_t(t) * product.d_out + local;
+  const std::size_t token = std::size_t(first_token) + t;  // in the launch
+  float* out = product.out + token * product.d_out + local;
   if constexpr (kStore == GemvStore::kSwiglu) {
     *out = swiglu_of(value(0, r), value(1, r));
   } else if constexpr (kStore == GemvStore::kAdd) {
@@ -811,7 +840,7 @@ __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_kernel(GemvArgs a) {
   } else if (local % 2 == 0) {  // the pair's first row rotates and stores both (the launch checked r + 1 is its partner)
     float pair[2] = {value(0, r), value(0, r + 1)};
     const int pairs = a.head_dim / 2;
-    rope_rotate(pair, product.rope + (std::size_t(t) * pairs + (local % a.head_dim) / 2) * 2);
+    rope_rotate(pair, product.rope + (token * pairs + (local % a.head_dim) / 2) * 2);
     out[0] = pair[0], out[1] = pair[1];
   }
 }
@@ -855,7 +884,8 @@ cudaStream_t new_stream() {
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(std::string name) : name_(std::move(name)), stream_(new_stream()), blas_(stream_) {
+  explicit CudaBackend(std::string name)
+      : name_(std::move(name)), gemv_max_tokens_(gemv_max_tokens()), stream_(new_stream()), blas_(stream_) {
     // The tiled prefill attention's shared memory is over the 48 KB a kernel gets without asking, for heads
     // over 32: asked for where the device has it (A100, H100: 163 and 227 KB a block), else those heads keep
     // attention_kernel (a GPU with 99 KB, such as many laptops', tiles heads up to 64).
@@ -1064,13 +1094,13 @@ class CudaBackend final : public Backend {
       KVS_LAUNCH(attention_merge_kernel, dim3(shape.n_heads, sequences), dim3(128), 0, stream_, out, partials, splits,
                  shape.head_dim);
   }
-  // The fused operations (backend.h) as one gemv_kernel launch each for calls of up to kGemvTokens tokens;
+  // The fused operations (backend.h) as one gemv_kernel launch each for calls of up to gemv_max_tokens_ tokens;
   // larger calls (prefill) take the definition: cuBLAS's products and the small kernels.
-  int fused_tokens() const override { return kGemvTokens; }
+  int fused_tokens() const override { return gemv_max_tokens_; }
   void norm_products(float* normed, const float* x, const float* norm_weight, int n, int d_in, int head_dim,
                      std::span<const Product> products) override {
     GemvArgs a = gemv_args(x, norm_weight, n, d_in, head_dim);
-    bool fits = n <= kGemvTokens && products.size() <= std::size_t(kGemvMaxProducts);
+    bool fits = n <= gemv_max_tokens_ && products.size() <= std::size_t(kGemvMaxProducts);
     for (std::size_t p = 0; fits && p < products.size(); ++p) {
       const Product& product = products[p];
       // RoPE's pairs must be pairs of a block's rows: rows 2i, 2i+1 of whole heads, from an even row on.
@@ -1084,13 +1114,13 @@ class CudaBackend final : public Backend {
   }
   void norm_swiglu(float* gate, float* up, float* normed, const float* x, const float* norm_weight, const float* w1,
                    const float* w3, int n, int d_in, int hidden) override {
-    if (n > kGemvTokens) return Backend::norm_swiglu(gate, up, normed, x, norm_weight, w1, w3, n, d_in, hidden);
+    if (n > gemv_max_tokens_) return Backend::norm_swiglu(gate, up, normed, x, norm_weight, w1, w3, n, d_in, hidden);
     GemvArgs a = gemv_args(x, norm_weight, n, d_in, 0);
     a.products[0] = GemvProduct{gate, w1, hidden}, a.up = w3, a.count = 1, a.rows = hidden;
     launch_gemv<GemvStore::kSwiglu>(a);
   }
   void matmul_add(float* x, float* product, const float* in, const float* w, int n, int d_in, int d_out) override {
-    if (n > kGemvTokens) return Backend::matmul_add(x, product, in, w, n, d_in, d_out);
+    if (n > gemv_max_tokens_) return Backend::matmul_add(x, product, in, w, n, d_in, d_out);
     GemvArgs a = gemv_args(in, nullptr, n, d_in, 0);
     a.products[0] = GemvProduct{x, w, d_out}, a.count = 1, a.rows = d_out;
     launch_gemv<GemvStore::kAdd>(a);
@@ -1172,7 +1202,8 @@ class CudaBackend final : public Backend {
   void launch_gemv_tokens(const GemvArgs& a) {  // the kernel's registers for the tokens the call has
     // Warps enough for d_in (the shipped model's 128 floats are one warp's 16-byte loads), up to kGemvWarps.
     const int warps = std::clamp((a.d_in + kWarp * kWidth - 1) / (kWarp * kWidth), 1, kGemvWarps);
-    const dim3 grid((a.rows + kGemvRows - 1) / kGemvRows), block(warps * kWarp);
+    const int tiles = (a.n + kGemvTokens - 1) / kGemvTokens;  // 1 up to kGemvTokens tokens
+    const dim3 grid((a.rows + kGemvRows - 1) / kGemvRows * tiles), block(warps * kWarp);
     if (a.n == 1) KVS_LAUNCH((gemv_kernel<1, kWidth, kStore>), grid, block, 0, stream_, a);
     else if (a.n == 2) KVS_LAUNCH((gemv_kernel<2, kWidth, kStore>), grid, block, 0, stream_, a);
     else if (a.n <= 4) KVS_LAUNCH((gemv_kernel<4, kWidth, kStore>), grid, block, 0, stream_, a);
@@ -1191,6 +1222,7 @@ class CudaBackend final : public Backend {
   }
 
   std::string name_;
+  int gemv_max_tokens_;  // fused products up to this many tokens (gemv_max_tokens)
   cudaStream_t stream_;
   Blas blas_;
   std::vector<float*> weights_;
