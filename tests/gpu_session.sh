@@ -8,13 +8,24 @@
 # Header-only dependencies the machine lacks (Eigen, doctest) may be given as a prefix in .deps/ (CMake config
 # files included); a base tree (git archive of an older commit) as BASE_SOURCE_DIR. tests/gpu_prepare.sh COMMIT
 # makes both, in .deps/ and .ab/base, folders .git/info/exclude ignores; the device call carries them.
-# Everything lands in OUT_DIR and in one archive beside it, OUT_DIR.tgz (a device call returns few files).
+# Everything lands in OUT_DIR and in one archive beside it, OUT_DIR.tgz (a device call returns few files),
+# rewritten after each step, which also prints its seconds. A device call stops at 600 s: build, test, sanitize
+# and ab took 446 s in the 2026-11-23 call (before chapters existed), so give chapters (and transcripts) a second
+# call, `build,chapters,transcripts`, which rebuilds where the machine was handed back in between.
 set -uo pipefail
 out=${1:?usage: gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]}
 base=${2:-}
 steps=${3:-build,test,sanitize,ab,chapters}
 mkdir -p "$out"
 has() { [[ ",$steps," == *",$1,"* ]]; }
+# After each step: its seconds, and the archive rewritten, so that a call stopped at its time limit still
+# returns everything done before (a device call returns at most 8 files; the archive is one).
+step_start=$SECONDS
+step_done() {
+  echo "-- step $1: $((SECONDS - step_start)) s (session so far: $SECONDS s)"
+  tar -czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"
+  step_start=$SECONDS
+}
 jobs=$(nproc)
 prefix=(); [[ -d .deps ]] && prefix=(-DCMAKE_PREFIX_PATH="$PWD/.deps")
 configure() {  # source dir, build dir
@@ -29,12 +40,14 @@ if has build; then
   fi
   wait
   echo "builds: $((SECONDS - start)) s"; tail -3 "$out/build.log"
-  [[ -x build/release/bin/03_benchmark ]] || { echo "build failed"; tail -30 "$out/build.log"; exit 1; }
+  [[ -x build/release/bin/03_benchmark ]] || { echo "build failed"; tail -30 "$out/build.log"; step_done build; exit 1; }
+  step_done build
 fi
 if has test; then
   start=$SECONDS
   (cd build/release && ctest -j "$jobs" -LE book --timeout 600 >"$out/ctest.log" 2>&1)
   echo "ctest: $((SECONDS - start)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Skipped" "$out/ctest.log" | head -20
+  step_done test
 fi
 if has sanitize; then
   cases=${SANITIZE_CASES:-'cuda kernels:*,recorded decoding:*,batched attention:*,batched cache write:*,batched decode through pools:*'}
@@ -42,6 +55,7 @@ if has sanitize; then
     compute-sanitizer --tool $tool --error-exitcode 99 build/release/bin/kvs_tests -tc="$cases" >"$out/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY' "$out/sanitizer_$tool.log") summaries: $(grep 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' '))"
   done
+  step_done sanitize
 fi
 if has ab; then
   shipped="--breakdown --lengths 32,512,1984 --max-new-tokens 64"
@@ -57,6 +71,7 @@ if has ab; then
   done
   build/release/bin/03_benchmark --backend cpu --threads 1 $shipped --csv "$out/shipped_cpu1.csv" >"$out/shipped_cpu1.log" 2>&1
   echo "== one CPU core"; grep -A4 "  context     step" "$out/shipped_cpu1.log" | tail -4
+  step_done ab
 fi
 if has chapters; then
   build/release/bin/08_paged_batching --backend cuda --experiment throughput --csv "$out/batch_throughput_gpu.csv" \
@@ -77,10 +92,11 @@ if has chapters; then
   build/release/bin/10_quantized_cache --backend cuda --experiment speed --csv "$out/kv_format_speed_gpu.csv" \
     >"$out/kv_format_speed_gpu.log" 2>&1
   echo "== chapter 10 speed on the GPU: exit $?"; tail -12 "$out/kv_format_speed_gpu.log"
+  step_done chapters
 fi
 if has transcripts; then
   python3 book/transcripts.py --gpu-only book/07_the_same_cache_on_a_gpu.md >"$out/transcripts.log" 2>&1
   echo "transcripts: exit $?"; tail -5 "$out/transcripts.log"; cp book/07_the_same_cache_on_a_gpu.md "$out/"
   cp -r plots/data/gpu "$out/plots_data_gpu"
+  step_done transcripts
 fi
-tar -czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"
