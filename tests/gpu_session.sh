@@ -8,10 +8,12 @@
 # Header-only dependencies the machine lacks (Eigen, doctest) may be given as a prefix in .deps/ (CMake config
 # files included); a base tree (git archive of an older commit) as BASE_SOURCE_DIR. tests/gpu_prepare.sh COMMIT
 # makes both, in .deps/ and .ab/base, folders .git/info/exclude ignores; the device call carries them.
-# Everything lands in OUT_DIR and in one archive beside it, OUT_DIR.tgz (a device call returns few files),
-# rewritten after each step, which also prints its seconds. A device call stops at 600 s: build, test, sanitize
-# and ab took 446 s in the 2026-11-23 call (before chapters existed), so give chapters (and transcripts) a second
-# call, `build,chapters,transcripts`, which rebuilds where the machine was handed back in between.
+# Everything lands in OUT_DIR and in one archive, OUT_DIR.tgz or GPU_SESSION_ARCHIVE where set, rewritten after
+# each step, which also prints its seconds. A device call returns at most 8 files of its $OUT: keep OUT_DIR out
+# of it and the archive in it, `GPU_SESSION_ARCHIVE=$OUT/s.tgz bash tests/gpu_session.sh /tmp/s .ab/base STEPS`.
+# A device call stops at 600 s: build, test, sanitize and ab took 446 s in the 2026-11-23 call (before chapters
+# existed), so give chapters (and transcripts) a second call, STEPS build,chapters,transcripts (the build step
+# rebuilds only what is missing, everything where the machine was handed back in between).
 set -uo pipefail
 out=${1:?usage: gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]}
 base=${2:-}
@@ -23,7 +25,7 @@ has() { [[ ",$steps," == *",$1,"* ]]; }
 step_start=$SECONDS
 step_done() {
   echo "-- step $1: $((SECONDS - step_start)) s (session so far: $SECONDS s)"
-  tar -czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"
+  tar -czf "${GPU_SESSION_ARCHIVE:-$out.tgz}" -C "$(dirname "$out")" "$(basename "$out")"
   step_start=$SECONDS
 }
 jobs=$(nproc)
