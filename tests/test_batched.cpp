@@ -649,6 +649,41 @@ TEST_CASE("08_paged_batching --experiment throughput --synthetic: a chosen shape
   CHECK(test::run_command(bin + " --experiment throughput --synthetic 64,2,4,2 --model x.bin").exit_code == 2);
 }
 
+// --rounds: every batch size measured in each round, the sizes in turn; the table's p50 is the median of the rounds'
+// p50s, their range printed and written beside it (so the median lies within it); refused by the other experiments.
+TEST_CASE("08_paged_batching --experiment throughput --rounds: the median of the rounds, their range beside it") {
+  const std::string bin = std::string(KVS_BIN_DIR) + "/08_paged_batching";
+  test::TempDir dir;
+  const auto r = test::run_command(bin + " --experiment throughput --threads 1 --prompt-lengths 8,8 --output-lengths 6,6 "
+                                         "--batch-sizes 1,3 --rounds 4 --csv " + dir.file("t.csv"));
+  CAPTURE(r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("; 4 rounds over the batch sizes") != std::string::npos);
+  const auto rows = test::read_csv(dir.file("t.csv"));
+  REQUIRE(rows.size() == 3);
+  const std::vector<std::string>& header = rows[0];
+  auto column = [&](const std::vector<std::string>& row, const std::string& name) {
+    const auto at = std::find(header.begin(), header.end(), name);
+    REQUIRE(at != header.end());
+    return std::stod(row[std::size_t(at - header.begin())]);
+  };
+  for (std::size_t i = 1; i < rows.size(); ++i) {
+    CAPTURE(i);
+    CHECK(column(rows[i], "batch") == (i == 1 ? 1 : 3));
+    CHECK(column(rows[i], "rounds") == 4);
+    CHECK(column(rows[i], "round_p50_min_ms") <= column(rows[i], "step_ms_p50"));
+    CHECK(column(rows[i], "step_ms_p50") <= column(rows[i], "round_p50_max_ms"));
+    CHECK(column(rows[i], "step_ms_p50") <= column(rows[i], "step_ms_p99"));
+  }
+  for (const char* other : {" --experiment serve --rounds 2", " --experiment memory --rounds 2", " --experiment throughput --rounds 0"}) {
+    CAPTURE(other);
+    const auto refused = test::run_command(bin + other);
+    CHECK(refused.exit_code == 2);
+    CHECK(std::count(refused.err.begin(), refused.err.end(), '\n') == 1);
+    CHECK(refused.err.find("--rounds") != std::string::npos);
+  }
+}
+
 TEST_CASE("scheduler: a request that can never fit is refused before anything runs, naming it") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   CpuBackend cpu(1);

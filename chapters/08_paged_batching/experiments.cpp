@@ -153,39 +153,64 @@ int throughput(Setup& s) {
   step.kv = step.kv * BlockPool::block_bytes(c, 1, s.format) / BlockPool::block_bytes(c, 1);  // a coded pool reads less
   const double matmul_gflops = ch03::measure_matmul_gflops(s.rt.backend);
   std::fprintf(stderr, "batches of requests with %d-token prompts and %d new tokens each; decode steps only (every "
-                       "sequence one token)\n", prompt, new_tokens);
+                       "sequence one token); %d rounds over the batch sizes\n", prompt, new_tokens, s.rounds);
   std::fprintf(stderr, "roofline: a step reads the weights once (%s) and each sequence's K/V (%s at %d positions); the "
                        "matrix products run at up to %.1f GFLOP/s here\n",
                format_bytes(double(step.weights)).c_str(), format_bytes(double(step.kv)).c_str(), prompt + new_tokens / 2,
                matmul_gflops);
-  std::fprintf(stderr, "%6s %10s %10s %12s %9s %12s %12s\n", "batch", "step p50", "step p99", "tokens/s", "vs B=1",
-               "memory floor", "compute floor");
-  CsvWriter csv({"--csv", s.csv}, "threads,batch,step_ms_p50,step_ms_p99,tokens_per_s,speedup_vs_batch1,memory_floor_ms,compute_floor_ms",
-                s.rt.inputs());
+  // Every batch size is measured in each of s.rounds rounds, the sizes taken in turn within a round (1, 2, ...,
+  // 64, then 1, 2, ... again): a slow minute of a shared machine then slows one round of every size instead of
+  // every round of one size, and the median of the rounds' p50s leaves it out. The range of those p50s is
+  // printed beside it: how far one run could have been off.
+  struct Measured {
+    std::vector<double> round_p50, steps;  // each round's p50; every round's decode steps (ms)
+  };
+  std::vector<Measured> measured(s.batch_sizes.size());
+  Progress progress("throughput", "batch runs");
+  for (int round = 0; round < s.rounds; ++round) {
+    for (std::size_t b = 0; b < s.batch_sizes.size(); ++b) {
+      const int batch = s.batch_sizes[b];
+      std::vector<Request> requests;
+      for (int i = 0; i < batch; ++i) {  // distinct prompts: slices of the trace's text, or of one prompt repeated
+        const std::vector<int>& text = s.requests[i % s.requests.size()].prompt;
+        requests.push_back(Request{std::vector<int>(text.begin(), text.begin() + std::min<std::size_t>(prompt, text.size())),
+                                   new_tokens, 0});
+      }
+      SchedulerOptions options{.batching = Batching::kContinuous, .max_batch = batch, .token_budget = s.options.token_budget};
+      BlockPool pool = make_pool(s, s.block_size, s.kv_memory, batch);
+      std::vector<RequestResult> results;
+      serve(s.rt.model, pool, requests, options, results);  // warm-up
+      const std::vector<double> ms = decode_step_ms(serve(s.rt.model, pool, requests, options, results), batch);
+      measured[b].round_p50.push_back(percentile(ms, 50));
+      measured[b].steps.insert(measured[b].steps.end(), ms.begin(), ms.end());
+      progress.update(std::int64_t(round) * s.batch_sizes.size() + b + 1, std::int64_t(s.rounds) * s.batch_sizes.size());
+    }
+  }
+
+  std::fprintf(stderr, "%6s %10s %15s %10s %12s %9s %12s %12s\n", "batch", "step p50", "rounds' p50s", "step p99", "tokens/s",
+               "vs B=1", "memory floor", "compute floor");
+  CsvWriter csv({"--csv", s.csv}, "threads,batch,step_ms_p50,step_ms_p99,tokens_per_s,speedup_vs_batch1,memory_floor_ms,"
+                                  "compute_floor_ms,rounds,round_p50_min_ms,round_p50_max_ms", s.rt.inputs());
   double batch1 = 0;
-  for (int batch : s.batch_sizes) {
-    std::vector<Request> requests;
-    for (int i = 0; i < batch; ++i)  // distinct prompts: slices of the trace's text, or of one prompt repeated
-      requests.push_back(Request{std::vector<int>(s.requests[i % s.requests.size()].prompt.begin(),
-                                                  s.requests[i % s.requests.size()].prompt.begin() +
-                                                      std::min<std::size_t>(prompt, s.requests[i % s.requests.size()].prompt.size())),
-                                 new_tokens, 0});
-    SchedulerOptions options{.batching = Batching::kContinuous, .max_batch = batch, .token_budget = s.options.token_budget};
-    BlockPool pool = make_pool(s, s.block_size, s.kv_memory, batch);
-    std::vector<RequestResult> results;
-    serve(s.rt.model, pool, requests, options, results);  // warm-up
-    const RunStats stats = serve(s.rt.model, pool, requests, options, results);
-    const std::vector<double> ms = decode_step_ms(stats, batch);
-    const double p50 = percentile(ms, 50), p99 = percentile(ms, 99), tokens_per_s = p50 > 0 ? 1000.0 * batch / p50 : 0;
+  for (std::size_t b = 0; b < s.batch_sizes.size(); ++b) {
+    const int batch = s.batch_sizes[b];
+    const std::vector<double>& rounds = measured[b].round_p50;
+    const double p50 = percentile(rounds, 50), p99 = percentile(measured[b].steps, 99);
+    const double fastest = *std::min_element(rounds.begin(), rounds.end()), slowest = *std::max_element(rounds.begin(), rounds.end());
+    const double tokens_per_s = p50 > 0 ? 1000.0 * batch / p50 : 0;
     if (batch1 == 0) batch1 = tokens_per_s;
     const double read_gbs = ch03::measure_read_gbs(step.weights + batch * step.kv, threads);
     const double memory_floor = (step.weights + batch * step.kv) / (read_gbs * 1e9) * 1000;
     const double compute_floor = 2.0 * double(parameter_count(c)) * batch / (matmul_gflops * 1e9) * 1000;
-    std::fprintf(stderr, "%6d %8.3f ms %7.3f ms %12.0f %8.2fx %9.3f ms %10.3f ms\n", batch, p50, p99, tokens_per_s,
+    char range[32];
+    std::snprintf(range, sizeof range, "%.3f-%.3f", fastest, slowest);
+    std::fprintf(stderr, "%6d %8.3f ms %15s %7.3f ms %12.0f %8.2fx %9.3f ms %10.3f ms\n", batch, p50, range, p99, tokens_per_s,
                  tokens_per_s / batch1, memory_floor, compute_floor);
-    csv.row(threads, batch, p50, p99, tokens_per_s, tokens_per_s / batch1, memory_floor, compute_floor);
+    csv.row(threads, batch, p50, p99, tokens_per_s, tokens_per_s / batch1, memory_floor, compute_floor, s.rounds, fastest,
+            slowest);
   }
-  std::fprintf(stderr, "memory floor: the step's bytes at this machine's read bandwidth for a working set that size "
+  std::fprintf(stderr, "step p50: the median of the rounds' p50s (their range beside it, ms); p99: of every round's "
+                       "steps; memory floor: the step's bytes at this machine's read bandwidth for a working set that size "
                        "(measured); compute floor: 2 x parameters x batch FLOPs at the matrix-product rate above\n");
   csv.commit();
   if (csv.enabled()) std::fprintf(stderr, "wrote %s\n", csv.path().c_str());

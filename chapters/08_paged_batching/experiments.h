@@ -20,6 +20,7 @@ struct Setup {
   PoolFormat format;              // how the pool stores its rows (--kv-format, chapter 10)
   SchedulerOptions options;
   std::vector<int> batch_sizes, block_sizes;
+  int rounds = 3;                 // throughput: measurements of every batch size, interleaved
   std::string csv;
 };
 

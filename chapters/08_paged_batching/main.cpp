@@ -18,7 +18,7 @@ int main(int argc, char** argv) {
   kvs::ch08::TraceShape shape;
   float mean_gap = 0;
   std::uint64_t seed = 1;
-  int block_size = 16, max_batch = 64, token_budget = 256, int4_group = 32, watermark = 0;
+  int block_size = 16, max_batch = 64, token_budget = 256, int4_group = 32, watermark = 0, rounds = 3;
   kvs::ch08::PoolFormat pool_format;
   std::int64_t kv_memory = std::int64_t{32} << 20;
   kvs::ArgParser parser(
@@ -53,6 +53,8 @@ int main(int argc, char** argv) {
   parser.add_int("--token-budget", "tokens in one step, decode tokens and prompt chunks (default 256)", &token_budget, 1, 1 << 16);
   parser.add_int("--watermark", "blocks an admission leaves free while sequences run (default 0)", &watermark, 0, 1 << 30);
   parser.add_string("--batch-sizes", "LIST", "throughput: batch sizes (default 1,2,4,8,16,32,64)", &batch_sizes);
+  parser.add_int("--rounds", "throughput: measurements of every batch size, the sizes in turn; the table shows the\n"
+                 "median (default 3)", &rounds, 1, 1000);
   parser.add_string("--synthetic", "DIM,LAYERS,HEADS,KV_HEADS",
                     "throughput: instead of the shipped model, random weights of this shape (as 03_benchmark's, e.g.\n"
                     "1024,8,8,2: 0.4 GB), a model too large for the caches, where batching pays; give --kv-memory for\n"
@@ -68,6 +70,10 @@ int main(int argc, char** argv) {
     if (options.synthetic.empty() || experiment == "throughput") return std::string();
     return "--synthetic: random weights write gibberish, which only --experiment throughput (timings) can use, not " +
            experiment;
+  });
+  parser.add_check([&] {
+    if (experiment == "throughput" || !parser.given("--rounds")) return std::string();
+    return "--rounds is for --experiment throughput, not " + experiment;
   });
   parser.add_check([&] {
     if (kvs::parse_kv_format(kv_format, pool_format.format)) return std::string();
@@ -138,7 +144,7 @@ int main(int argc, char** argv) {
                                                                         : kvs::ch08::Batching::kContinuous,
                                        .max_batch = max_batch, .token_budget = token_budget,
                                        .watermark_blocks = watermark},
-                           .batch_sizes = batch_list, .block_sizes = block_list, .csv = options.csv};
+                           .batch_sizes = batch_list, .block_sizes = block_list, .rounds = rounds, .csv = options.csv};
     std::cerr << rt.describe() << "\n";
     try {
       if (experiment == "throughput") return kvs::ch08::throughput(setup);
