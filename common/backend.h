@@ -133,6 +133,15 @@ class Backend {
   // right row at every position.
   virtual void write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
                           int width) = 0;
+  // A layer's cache write, keys and values alike: write_rows of k (n, width) into `keys`, then of v into `values`,
+  // the two with one stride, positions and ring - the definition, the default implementation. Fused like the
+  // operations of that name below, up to fused_tokens() rows: a GPU does both in one launch, since a decode
+  // step's write is two rows of a few hundred bytes and a launch costs more than its copy.
+  virtual void write_key_value_rows(float* keys, float* values, int row_stride, const int* positions, Ring ring,
+                                    const float* k, const float* v, int n, int width) {
+    write_rows(keys, row_stride, positions, ring, k, n, width);
+    write_rows(values, row_stride, positions, ring, v, n, width);
+  }
   // slot_positions[ring.write_slot(positions[i])] = positions[i] for i < n: which position each slot of a ring
   // holds (a KvView's row_positions), kept in backend memory by the same arithmetic as write_rows.
   virtual void write_positions(int* slot_positions, const int* positions, Ring ring, int n) = 0;

@@ -85,12 +85,13 @@ TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on
 }
 
 // What a recorded step holds, counted: the fused operations (backend.h) are one kernel each for a decode step
-// on the CUDA backend, so a layer is its q/k/v products (norm and RoPE fused in), two cache writes, attention
-// and its merge (a view of more than 64 rows is split in chunks), the output product with its residual add,
-// the gate and up products with SwiGLU, and the down product with its add: 8 launches; and the step adds the
-// embedding, the RoPE table and the classifier. A fused operation that fell back to its definition (a norm,
-// products, RoPE, SwiGLU or an add apart) adds launches and fails this.
-TEST_CASE("recorded decoding: a decode step of the shipped model is 8 launches per layer and 3 more") {
+// on the CUDA backend, so a layer is its q/k/v products (norm and RoPE fused in), the cache write (keys and
+// values: write_key_value_rows), attention and its merge (a view of more than 64 rows is split in chunks), the
+// output product with its residual add, the gate and up products with SwiGLU, and the down product with its
+// add: 7 launches; and the step adds the embedding, the RoPE table and the classifier. A fused operation that
+// fell back to its definition (a norm, products, RoPE, SwiGLU or an add apart; keys and values written apart)
+// adds launches and fails this.
+TEST_CASE("recorded decoding: a decode step of the shipped model is 7 launches per layer and 3 more") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   for_each_recording_backend([&](Backend& backend, const std::string&) {
     const int positions = 100;
@@ -100,7 +101,7 @@ TEST_CASE("recorded decoding: a decode step of the shipped model is 8 launches p
     model.forward(prompt, 0, &cache);
     RecordedDecode steps(model, cache);
     steps.step(prompt.back(), static_cast<int>(prompt.size()));
-    CHECK(backend.recorded_launches() == 8 * checkpoint.config().n_layers + 3);
+    CHECK(backend.recorded_launches() == 7 * checkpoint.config().n_layers + 3);
   });
 }
 
@@ -159,7 +160,7 @@ TEST_CASE("attention: rows past a query's position are never read, whatever they
   });
 }
 
-TEST_CASE("write_rows and write_positions: each row lands in its position's slot, on every backend") {
+TEST_CASE("write_rows, write_key_value_rows and write_positions: each row lands in its position's slot, on every backend") {
   test::for_each_backend(test::test_backend_names(), [&](Backend& b) {
     // Row p = position p (Ring::unbounded), and a ring of 9 slots, 2 of them sinks: positions 2 .. 8 take
     // slots 2 .. 8, then 9 wraps to slot 2, 15 to 8, 16 to 2 (ring.h's write_slot, computed by the backend).
@@ -172,28 +173,77 @@ TEST_CASE("write_rows and write_positions: each row lands in its position's slot
         const bool wraps = ring.slots == slots_in_buffer;
         const std::vector<int> written = wraps ? positions : std::vector<int>(positions.begin(), positions.begin() + 4);
         const int stride = width + 5, n = static_cast<int>(written.size());
-        std::vector<float> src(written.size() * width);
-        for (std::size_t i = 0; i < src.size(); ++i) src[i] = float(i);
-        std::vector<float> want(std::size_t(slots_in_buffer) * stride, -1.0f);
+        std::vector<float> keys(written.size() * width), values(keys.size());  // a value is its key negated
+        for (std::size_t i = 0; i < keys.size(); ++i) keys[i] = float(i + 1), values[i] = -float(i + 1);
+        std::vector<float> want_keys(std::size_t(slots_in_buffer) * stride, 0.0f), want_values = want_keys;
         std::vector<int> want_positions(slots_in_buffer, -1);
         for (std::size_t i = 0; i < written.size(); ++i) {  // in order: a later position overwrites its slot
           const int slot = wraps ? (written[i] < 2 ? written[i] : 2 + (written[i] - 2) % 7) : written[i];
           want_positions[slot] = written[i];
-          for (int d = 0; d < width; ++d) want[std::size_t(slot) * stride + d] = src[i * width + d];
+          for (int d = 0; d < width; ++d) {
+            want_keys[std::size_t(slot) * stride + d] = keys[i * width + d];
+            want_values[std::size_t(slot) * stride + d] = values[i * width + d];
+          }
         }
-        Buffer rows = test::to_backend(b, std::vector<float>(want.size(), -1.0f)), d_src = test::to_backend(b, src);
+        Buffer d_keys = test::to_backend(b, keys), d_values = test::to_backend(b, values);
         IntBuffer d_positions(b, written.size()), slot_positions(b, slots_in_buffer);
         b.from_host(d_positions.data(), written.data(), written.size());
         b.from_host(slot_positions.data(), std::vector<int>(slots_in_buffer, -1).data(), slots_in_buffer);
-        // One call per position, as successive decode steps write them (within one call slots are distinct).
+        // One call per position, as successive decode steps write them (within one call slots are distinct):
+        // keys and values through write_rows each, and the two through write_key_value_rows.
+        const std::vector<float> empty(want_keys.size(), 0.0f);
+        Buffer apart_keys = test::to_backend(b, empty), apart_values = test::to_backend(b, empty);
+        Buffer together_keys = test::to_backend(b, empty), together_values = test::to_backend(b, empty);
         for (int i = 0; i < n; ++i) {
-          b.write_rows(rows.data(), stride, d_positions.data() + i, ring, d_src.data() + std::size_t(i) * width, 1, width);
-          b.write_positions(slot_positions.data(), d_positions.data() + i, ring, 1);
+          const int* at = d_positions.data() + i;
+          const std::size_t row = std::size_t(i) * width;
+          b.write_rows(apart_keys.data(), stride, at, ring, d_keys.data() + row, 1, width);
+          b.write_rows(apart_values.data(), stride, at, ring, d_values.data() + row, 1, width);
+          b.write_key_value_rows(together_keys.data(), together_values.data(), stride, at, ring, d_keys.data() + row,
+                                 d_values.data() + row, 1, width);
+          b.write_positions(slot_positions.data(), at, ring, 1);
         }
-        CHECK(test::from_backend(b, rows) == want);
+        CHECK(test::from_backend(b, apart_keys) == want_keys);
+        CHECK(test::from_backend(b, apart_values) == want_values);
+        CHECK(test::from_backend(b, together_keys) == want_keys);
+        CHECK(test::from_backend(b, together_values) == want_values);
         std::vector<int> got_positions(slots_in_buffer);
         b.to_host(got_positions.data(), slot_positions.data(), slots_in_buffer);
         CHECK(got_positions == want_positions);
       }
+  });
+}
+
+// The point of write_key_value_rows: a layer's keys and values in one launch where a backend launches kernels
+// (recorded, its launches counted), every position of a call in that one launch up to fused_tokens() rows, one
+// row more the definition (two launches). Positions out of order, so a row written at its index fails.
+TEST_CASE("write_key_value_rows: one launch for a layer's keys and values, up to fused_tokens() rows") {
+  for_each_recording_backend([&](Backend& b, const std::string&) {
+    REQUIRE(b.fused_tokens() >= 3);
+    for (const int n : {3, b.fused_tokens(), b.fused_tokens() + 1}) {
+      CAPTURE(n);
+      const int width = 5, rows = n + 2;
+      std::vector<int> written(n);
+      for (int i = 0; i < n; ++i) written[i] = rows - 1 - i;  // n + 1 down to 2
+      std::vector<float> keys(std::size_t(n) * width), values(keys.size());
+      for (std::size_t i = 0; i < keys.size(); ++i) keys[i] = float(i + 1), values[i] = -float(i + 1);
+      Buffer d_keys = test::to_backend(b, keys), d_values = test::to_backend(b, values);
+      const std::vector<float> empty(std::size_t(rows) * width, 0.0f);
+      Buffer key_rows = test::to_backend(b, empty), value_rows = test::to_backend(b, empty);
+      IntBuffer d_positions(b, n);
+      b.from_host(d_positions.data(), written.data(), n);
+      const int recording = b.begin_recording();
+      b.write_key_value_rows(key_rows.data(), value_rows.data(), width, d_positions.data(), Ring::unbounded(),
+                             d_keys.data(), d_values.data(), n, width);
+      b.end_recording();
+      CHECK(b.recorded_launches() == (n <= b.fused_tokens() ? 1 : 2));
+      b.replay(recording);
+      const std::vector<float> got_keys = test::from_backend(b, key_rows), got_values = test::from_backend(b, value_rows);
+      for (int i = 0; i < n; ++i)
+        for (int d = 0; d < width; ++d) {
+          CHECK(got_keys[std::size_t(written[i]) * width + d] == keys[std::size_t(i) * width + d]);
+          CHECK(got_values[std::size_t(written[i]) * width + d] == values[std::size_t(i) * width + d]);
+        }
+    }
   });
 }

@@ -46,8 +46,8 @@ class PreallocatedKvCache final : public KvCache {
   // backend memory, so a recorded decode step writes the row of the position it is replayed at.
   void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) override {
     check_write("PreallocatedKvCache", layer, n_layers_, pos, n, length_);
-    backend_.write_rows(storage_.data() + block(layer, 0), kv_dim_, positions, Ring::unbounded(), k, n, kv_dim_);
-    backend_.write_rows(storage_.data() + block(layer, 1), kv_dim_, positions, Ring::unbounded(), v, n, kv_dim_);
+    backend_.write_key_value_rows(storage_.data() + block(layer, 0), storage_.data() + block(layer, 1), kv_dim_, positions,
+                                  Ring::unbounded(), k, v, n, kv_dim_);
   }
 
   // The whole block, every allocated row, whatever the length: the rows past a query's position are in its

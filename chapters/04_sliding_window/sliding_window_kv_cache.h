@@ -84,8 +84,8 @@ class SlidingWindowKvCache final : public KvCache {
   // forward pass, with layer 0 (kv_cache.h: the model writes the layers in order).
   void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) override {
     check_write("SlidingWindowKvCache", layer, n_layers_, pos, n, length_);
-    backend_.write_rows(storage_.data() + block(layer, 0), kv_dim_, positions, ring_, k, n, kv_dim_);
-    backend_.write_rows(storage_.data() + block(layer, 1), kv_dim_, positions, ring_, v, n, kv_dim_);
+    backend_.write_key_value_rows(storage_.data() + block(layer, 0), storage_.data() + block(layer, 1), kv_dim_, positions,
+                                  ring_, k, v, n, kv_dim_);
     if (layer == 0) backend_.write_positions(row_positions_.data(), positions, ring_, n);
   }
 

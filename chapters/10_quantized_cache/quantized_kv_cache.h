@@ -96,8 +96,8 @@ class QuantizedKvCache final : public KvCache {
   void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) override {
     check_write("QuantizedKvCache", layer, n_layers_, pos, n, length_);
     if (layout_.format == KvFormat::kFp32) {
-      backend_.write_rows(floats(layer, 0), layout_.width, positions, Ring::unbounded(), k, n, layout_.width);
-      backend_.write_rows(floats(layer, 1), layout_.width, positions, Ring::unbounded(), v, n, layout_.width);
+      backend_.write_key_value_rows(floats(layer, 0), floats(layer, 1), layout_.width, positions, Ring::unbounded(), k, v,
+                                    n, layout_.width);
       return;
     }
     if (const int g = open_group(); g > 0) {  // keys appended to the open group as floats, coded a group at a time

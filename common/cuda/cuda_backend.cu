@@ -93,15 +93,22 @@ __global__ void rope_table_kernel(float* table, const int* positions, int n, int
   rope_cos_sin(positions[index / pairs], index % pairs, head_dim, table + std::size_t(index) * 2);
 }
 
+// What a write_rows_kernel launch copies: src[side] into rows[side], side = blockIdx.y - one side (write_rows), or
+// keys and values (write_key_value_rows: a layer's cache write in one launch, not two).
+struct RowSides {
+  float* rows[2];
+  const float* src[2];
+};
+
 // rows[write_row(where, positions[i])] = src[i]: row i of src (n, width) into the row of its position in
 // `rows` (row_stride floats apart), `where` a Ring or a BlockTable (backend.h); positions and a table's blocks in
-// device memory. Grid (n), block 256: block i copies row i, its threads stride over width.
+// device memory. Grid (n, sides), block 256: block (i, side) copies row i of that side, its threads stride over width.
 template <typename Where>
-__global__ void write_rows_kernel(float* rows, int row_stride, const int* positions, Where where, const float* src,
-                                  int width) {
+__global__ void write_rows_kernel(RowSides sides, int row_stride, const int* positions, Where where, int width) {
   const std::size_t i = blockIdx.x;
-  float* row = rows + std::size_t(write_row(where, positions[i])) * row_stride;
-  for (int d = threadIdx.x; d < width; d += blockDim.x) row[d] = src[i * width + d];
+  const float* src = sides.src[blockIdx.y] + i * width;
+  float* row = sides.rows[blockIdx.y] + std::size_t(write_row(where, positions[i])) * row_stride;
+  for (int d = threadIdx.x; d < width; d += blockDim.x) row[d] = src[d];
 }
 
 // Quantize on write (chapter 10): row write_row(where, positions[i]) of `rows` = src[i] (n, rows.width) coded.
@@ -1129,8 +1136,15 @@ class CudaBackend final : public Backend {
   void write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
                   int width) override {
     if (n > 0)  // a grid of no blocks is an invalid launch
-      KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows, row_stride,
-                 positions, ring, src, width);
+      KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_,
+                 RowSides{{rows, nullptr}, {src, nullptr}}, row_stride, positions, ring, width);
+  }
+  void write_key_value_rows(float* keys, float* values, int row_stride, const int* positions, Ring ring, const float* k,
+                            const float* v, int n, int width) override {
+    if (n > fused_tokens()) return Backend::write_key_value_rows(keys, values, row_stride, positions, ring, k, v, n, width);
+    if (n > 0)
+      KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n), 2), dim3(kThreads), 0, stream_,
+                 RowSides{{keys, values}, {k, v}}, row_stride, positions, ring, width);
   }
   void write_positions(int* slot_positions, const int* positions, Ring ring, int n) override {
     KVS_LAUNCH(write_positions_kernel, dim3(1), dim3(kThreads), 0, stream_, slot_positions, positions, ring, n);
@@ -1138,8 +1152,8 @@ class CudaBackend final : public Backend {
   void write_paged_rows(float* rows, int row_stride, const int* positions, BlockTable table, const float* src, int n,
                         int width) override {
     if (n > 0)  // a grid of no blocks is an invalid launch
-      KVS_LAUNCH(write_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows,
-                 row_stride, positions, table, src, width);
+      KVS_LAUNCH(write_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_,
+                 RowSides{{rows, nullptr}, {src, nullptr}}, row_stride, positions, table, width);
   }
   // Up to kMaxBatchSequences sequences a launch (a decode step of 64 sequences: one launch a layer, not 128).
   void write_paged_batch(const CodedRows& keys, const CodedRows& values, const int* positions,
