@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a session lent a GPU runs in one call (book 07): build this tree and, for an A/B comparison, an older one;
 # the test suite with the GPU present; compute-sanitizer on the kernel tests; the breakdowns of both builds,
-# interleaved. Usage, from the repository root on the GPU machine:
+# interleaved, and of this one with its kernels launched plainly (KVS_PROGRAMMATIC_LAUNCH=0). Usage, from the repository root on the GPU machine:
 #   bash tests/gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]
 # STEPS: a comma-separated subset of build,test,sanitize,ab,chapters,transcripts (default: all but transcripts;
 # chapters: the batch throughput of chapter 08 and the formats' speed of chapter 10 on the GPU).
@@ -70,6 +70,11 @@ if has ab; then
       echo "== round $round, $b"; grep -A4 "  context     step" "$out/shipped_${b}_$round.log" | tail -4
       grep -A3 "  context     step" "$out/synthetic_${b}_$round.log" | tail -3; grep -A3 "  context  prefill" "$out/synthetic_${b}_$round.log" | tail -2
     done
+    # This build's kernels launched plainly, each waiting for the one before to finish (cuda_support.h): what
+    # programmatic dependent launch saves on the shipped model, whose step is mostly launches.
+    KVS_PROGRAMMATIC_LAUNCH=0 build/release/bin/03_benchmark --backend cuda $shipped --csv "$out/shipped_plain_$round.csv" \
+      >"$out/shipped_plain_$round.log" 2>&1
+    echo "== round $round, release with KVS_PROGRAMMATIC_LAUNCH=0"; grep -A4 "  context     step" "$out/shipped_plain_$round.log" | tail -4
   done
   build/release/bin/03_benchmark --backend cpu --threads 1 $shipped --csv "$out/shipped_cpu1.csv" >"$out/shipped_cpu1.log" 2>&1
   echo "== one CPU core"; grep -A4 "  context     step" "$out/shipped_cpu1.log" | tail -4

@@ -255,6 +255,28 @@ TEST_CASE("cuda kernels: KVS_GEMV_MAX_TOKENS lowers the fused products' limit an
   }
 }
 
+// KVS_PROGRAMMATIC_LAUNCH (tests/gpu_session.sh's A/B of programmatic dependent launch): 0 or 1; anything else
+// refuses the backend with the reason, on a GPU and through the harness alike.
+TEST_CASE("cuda kernels: KVS_PROGRAMMATIC_LAUNCH takes 0 or 1 and refuses anything else") {
+  struct Unset {
+    ~Unset() { unsetenv("KVS_PROGRAMMATIC_LAUNCH"); }
+  } unset;
+  for (const std::string& name : kernel_backends()) {
+    CAPTURE(name);
+    for (const char* value : {"0", "1"}) {
+      setenv("KVS_PROGRAMMATIC_LAUNCH", value, 1);
+      CHECK_NOTHROW(test::make_test_backend(name));
+    }
+    for (const char* value : {"2", "on", "", "01"}) {
+      CAPTURE(value);
+      setenv("KVS_PROGRAMMATIC_LAUNCH", value, 1);
+      const std::string reason = std::string("KVS_PROGRAMMATIC_LAUNCH=") + value + ": expected 0 (";
+      CHECK_THROWS_WITH_AS(test::make_test_backend(name), doctest::Contains(reason.c_str()), std::invalid_argument);
+    }
+    unsetenv("KVS_PROGRAMMATIC_LAUNCH");
+  }
+}
+
 TEST_CASE("cuda kernels: RoPE tables and rotations equal the CPU backend, positions past 2^16 included") {
   CpuBackend cpu(1);
   std::mt19937 gen(9);

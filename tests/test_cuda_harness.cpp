@@ -26,6 +26,7 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // Dynamic shared memory, which the harness fills with NaN for every block: a static __shared__ array would
 // keep the previous launch's values, which can hide the missing barrier.
 __global__ void tree_sum(float* out, const float* in, bool with_barriers) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   KVS_DYNAMIC_SHARED(float, partial);
   const unsigned t = threadIdx.x;
   partial[t] = in[t];
@@ -39,6 +40,7 @@ __global__ void tree_sum(float* out, const float* in, bool with_barriers) {
 
 // Sum over the warp with xor shuffles, `mask` naming the lanes that take part.
 __global__ void warp_sum(float* out, const float* in, unsigned mask) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   float v = in[threadIdx.x];
   for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(mask, v, offset);
   out[threadIdx.x] = v;
@@ -46,18 +48,30 @@ __global__ void warp_sum(float* out, const float* in, unsigned mask) {
 
 // Only the first half of the warp calls the shuffle, with a mask that names all 32 lanes.
 __global__ void divergent_shuffle(float* out) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   float v = 1.0f;
   if (threadIdx.x < 16) v = __shfl_down_sync(kFullMask, v, 1);
   out[threadIdx.x] = v;
 }
 
 // A barrier inside a branch that half of the block skips.
+// Kernels that break cuda_support.h's rule (KVS_WAIT_FOR_PREVIOUS_KERNEL() first): one never waits, one meets
+// its block at a barrier before it waits.
+__global__ void never_waits(float* out) { out[threadIdx.x] = 1.0f; }
+__global__ void barrier_before_waiting(float* out) {
+  __syncthreads();
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
+  out[threadIdx.x] = 1.0f;
+}
+
 __global__ void barrier_in_branch(float* out) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   if (threadIdx.x < 64) __syncthreads();
   out[threadIdx.x] = 1.0f;
 }
 
 __global__ void shuffles(int* down, int* up, int* xor16, int* broadcast, unsigned* ballot, int* any_all) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   const int lane = static_cast<int>(threadIdx.x);
   down[lane] = __shfl_down_sync(kFullMask, lane, 3);
   up[lane] = __shfl_up_sync(kFullMask, lane, 2, 16);
@@ -69,6 +83,7 @@ __global__ void shuffles(int* down, int* up, int* xor16, int* broadcast, unsigne
 
 // Each block adds its blockIdx.x + 1 into one counter; dynamic shared memory is read before it is written.
 __global__ void blocks_and_shared(float* counter, float* first_shared_value) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   KVS_DYNAMIC_SHARED(float, scratch);
   if (threadIdx.x == 0) {
     if (blockIdx.x == 0) *first_shared_value = scratch[0];
@@ -182,6 +197,22 @@ TEST_CASE("cuda harness: a barrier some threads skip is reported, not a hang") {
   CHECK(run_tree_sum(true) == 256.0f * 257.0f / 2.0f);
 }
 
+// On a GPU a kernel launched programmatically may start before the one ahead of it has finished (cuda_support.h):
+// a thread that synchronises or ends before KVS_WAIT_FOR_PREVIOUS_KERNEL() is reported, whatever the kernel
+// computed.
+TEST_CASE("cuda harness: a kernel that does not wait for the kernel before it first is reported") {
+  DeviceArray<float> d_out(64);
+  CHECK_THROWS_WITH_AS(KVS_LAUNCH(never_waits, dim3(1), dim3(64), 0, nullptr, d_out.p),
+                       doctest::Contains("kernel never_waits: thread (0,0,0) of block (0,0,0) ends without "
+                                         "KVS_WAIT_FOR_PREVIOUS_KERNEL()"),
+                       std::runtime_error);
+  CHECK_THROWS_WITH_AS(KVS_LAUNCH(barrier_before_waiting, dim3(1), dim3(64), 0, nullptr, d_out.p),
+                       doctest::Contains("kernel barrier_before_waiting: thread (0,0,0) of block (0,0,0) reaches "
+                                         "__syncthreads() without KVS_WAIT_FOR_PREVIOUS_KERNEL()"),
+                       std::runtime_error);
+  CHECK(run_tree_sum(true) == 256.0f * 257.0f / 2.0f);  // usable again after the error
+}
+
 TEST_CASE("cuda harness: every block runs, and dynamic shared memory starts as NaN") {
   DeviceArray<float> counter(1), first(1);
   KVS_CUDA_CHECK(cudaMemset(counter.p, 0, sizeof(float)));
@@ -195,6 +226,7 @@ TEST_CASE("cuda harness: every block runs, and dynamic shared memory starts as N
 namespace {
 // x[i] += *amount for every i < n: the amount is read from memory when the kernel runs.
 __global__ void add_from_memory(float* x, const float* amount, int n) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) x[i] += *amount;
 }
@@ -231,6 +263,7 @@ TEST_CASE("cuda harness: a stream capture records launches and copies, and each 
 namespace {
 constexpr int kOutOfBoundsLine = __LINE__ + 2;
 __global__ void read_one_past(float* out, const float* in, int n) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   out[threadIdx.x] = in[threadIdx.x + n];  // thread 0 reads in[n]: one past the end
 }
 }  // namespace

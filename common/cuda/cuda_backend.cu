@@ -35,6 +35,9 @@ constexpr int kWarp = 32;
 constexpr float kRmsEps = 1e-5f;  // as the CPU backend and llama2.c
 
 // ---- kernels ----
+// Every kernel starts with KVS_WAIT_FOR_PREVIOUS_KERNEL() (cuda_support.h): launched programmatically, as this
+// backend launches them on compute capability 9.0 and later, a kernel may start before the one ahead of it has
+// finished, and must not touch memory before that wait (the harness checks every thread calls it first).
 
 // Sum of v over the 32 lanes of the calling warp, in every lane.
 __device__ float warp_sum(float v) {
@@ -69,6 +72,7 @@ __device__ float swiglu_of(float gate, float up) { return gate / (1.0f + expf(-g
 
 // x (n, dim) = table[tokens[i]] rows. Grid (n), block 256: block i copies row i, its threads stride over dim.
 __global__ void embed_kernel(float* x, const float* table, const int* tokens, int dim) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   const std::size_t i = blockIdx.x;
   const float* row = table + std::size_t(tokens[i]) * dim;
   for (int d = threadIdx.x; d < dim; d += blockDim.x) x[i * dim + d] = row[d];
@@ -77,6 +81,7 @@ __global__ void embed_kernel(float* x, const float* table, const int* tokens, in
 // out (n, dim) = x / sqrt(mean(x²) + eps) ⊙ weight. Grid (n), block 256 (a multiple of 32): block i owns
 // row i; its threads stride over dim for the sum of squares, then for the output.
 __global__ void rmsnorm_kernel(float* out, const float* x, const float* weight, int dim) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   const std::size_t row = std::size_t(blockIdx.x) * dim;
   float squares = 0.0f;
   for (int d = threadIdx.x; d < dim; d += blockDim.x) squares += x[row + d] * x[row + d];
@@ -87,6 +92,7 @@ __global__ void rmsnorm_kernel(float* out, const float* x, const float* weight, 
 // table (n, head_dim/2, 2) = [cos, sin] of positions[0 .. n-1] (device memory): rope.h's one definition.
 // Grid (ceil(n · pairs / 256)), block 256: one thread per (position, pair).
 __global__ void rope_table_kernel(float* table, const int* positions, int n, int head_dim) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   const int pairs = head_dim / 2;
   const int index = blockIdx.x * blockDim.x + threadIdx.x;
   if (index >= n * pairs) return;
@@ -105,6 +111,7 @@ struct RowSides {
 // device memory. Grid (n, sides), block 256: block (i, side) copies row i of that side, its threads stride over width.
 template <typename Where>
 __global__ void write_rows_kernel(RowSides sides, int row_stride, const int* positions, Where where, int width) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   const std::size_t i = blockIdx.x;
   const float* src = sides.src[blockIdx.y] + i * width;
   float* row = sides.rows[blockIdx.y] + std::size_t(write_row(where, positions[i])) * row_stride;
@@ -115,6 +122,7 @@ __global__ void write_rows_kernel(RowSides sides, int row_stride, const int* pos
 // Grid (n), block 256: block i codes row i, a thread per group (CodedRows::encode_group, kv_format.h).
 template <typename Where>
 __global__ void write_coded_rows_kernel(CodedRows rows, const int* positions, Where where, const float* src) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   const std::size_t i = blockIdx.x, row = write_row(where, positions[i]);
   for (int g = threadIdx.x; g < rows.groups(); g += blockDim.x) rows.encode_group(row, g, src + i * rows.width + g * rows.group);
 }
@@ -133,6 +141,7 @@ struct PagedParts {
 // are in order of offset, a scan of kernel arguments that every thread makes alike; a row in no part is skipped.
 __global__ void write_paged_batch_kernel(CodedRows keys, CodedRows values, const int* positions, PagedParts parts,
                                          int count, const float* k, const float* v) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   const int i = blockIdx.x;
   int p = 0;
   while (p + 1 < count && parts.part[p + 1].offset <= i) ++p;
@@ -146,6 +155,7 @@ __global__ void write_paged_batch_kernel(CodedRows keys, CodedRows values, const
 // Per-channel quantize (KIVI's keys): token group first_group + blockIdx.x from src's rows blockIdx.x · token_group
 // on. Grid (groups), block 256: a thread per channel pair (CodedRows::encode_channel_pair; a pair shares each byte).
 __global__ void encode_channel_groups_kernel(CodedRows rows, int first_group, const float* src) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   const int t = blockIdx.x;
   for (int ch = 2 * threadIdx.x; ch < rows.width; ch += 2 * blockDim.x)
     rows.encode_channel_pair(first_group + t, ch, src + std::size_t(t) * rows.token_group * rows.width);
@@ -154,12 +164,14 @@ __global__ void encode_channel_groups_kernel(CodedRows rows, int first_group, co
 // slot_positions[ring.write_slot(positions[i])] = positions[i], i < n. Grid (1), block 256 (n: a call's
 // positions, at most a prefill chunk), threads stride over i.
 __global__ void write_positions_kernel(int* slot_positions, const int* positions, Ring ring, int n) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   for (int i = threadIdx.x; i < n; i += blockDim.x) slot_positions[ring.write_slot(positions[i])] = positions[i];
 }
 
 // Rotates x (n, heads, head_dim) in place. Grid (ceil(n · heads · pairs / 256)), block 256: one thread per
 // (position, head, pair).
 __global__ void rope_kernel(float* x, const float* table, int n, int heads, int head_dim) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   const int pairs = head_dim / 2;
   const long index = long(blockIdx.x) * blockDim.x + threadIdx.x;
   if (index >= long(n) * heads * pairs) return;
@@ -299,6 +311,7 @@ __device__ PartialSoftmax attend_rows(HeadPartials& parts, const float (&query)[
 __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
     attention_kernel(float* out, float* weights, const float* q, const int* positions, KvView kv, int n_heads,
                      int group, int head_dim) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   __shared__ HeadPartials parts;
   const int h = blockIdx.x, i = blockIdx.y;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
@@ -351,6 +364,7 @@ template <int kHeadDim>  // head_dim rounded up to 32, 64 or 128; the columns pa
 __global__ void __launch_bounds__(kTileSide * kTileSide)
     attention_tiled_kernel(float* out, const float* q, const int* positions, int n, KvView kv, int n_heads, int group,
                            int head_dim) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   KVS_DYNAMIC_SHARED(float, shared);
   constexpr int kPadded = kHeadDim + 1, kColumns = kHeadDim / kTileSide;
   float* q_tile = shared;                     // (kTile, kPadded): the block's queries, scaled by 1/sqrt(head_dim)
@@ -509,6 +523,7 @@ template <int kElements, int kViews>
 __global__ void __launch_bounds__(kDecodeWarps * kWarp)
     attention_decode_kernel(float* out, float* partials, const float* q, const int* positions, DecodeViews<kViews> views,
                             int n_heads, int group, int tile, int head_dim) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   __shared__ WarpPartials<kDecodeWarps, kMaxTile> parts;
   const int sequence = blockIdx.z;
   const KvView kv = views.view[sequence];
@@ -592,6 +607,7 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
 // Grid (n_heads, sequences), block 128 (any size): block (h, z) merges head h of sequence z, its threads
 // stride over head_dim.
 __global__ void attention_merge_kernel(float* out, const float* partials, int splits, int head_dim) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   const std::size_t h = std::size_t(blockIdx.y) * gridDim.x + blockIdx.x;  // the head's row of out
   const float* head = partials + h * splits * (2 + head_dim);
   float max = -INFINITY, total = 0.0f;
@@ -646,6 +662,18 @@ int gemv_max_tokens() {
                                 std::to_string(kGemvMaxTokens) + " (the most tokens a fused product takes); unset it for " +
                                 std::to_string(kGemvMaxTokens));
   return static_cast<int>(tokens);
+}
+// Whether to launch the kernels programmatically dependent (cuda_support.h's LaunchQueue) where the GPU can, on
+// compute capability 9.0 and later: yes, unless KVS_PROGRAMMATIC_LAUNCH=0. Why a variable: what it saves is a
+// GPU's measurement, and tests/gpu_session.sh makes it with one build (the same decode step off and on).
+bool programmatic_launch_wanted() {
+  const char* value = std::getenv("KVS_PROGRAMMATIC_LAUNCH");
+  if (!value) return true;
+  if (std::string(value) != "0" && std::string(value) != "1")
+    throw std::invalid_argument(std::string("KVS_PROGRAMMATIC_LAUNCH=") + value +
+                                ": expected 0 (each kernel waits for the one before to finish) or 1 (on where the GPU "
+                                "has it, compute capability 9.0 on); unset it for 1");
+  return value[0] == '1';
 }
 constexpr int kGemvRows = 4;  // even: a RoPE pair (rows 2i, 2i+1 of a product starting at an even row) stays in one block
 constexpr int kGemvWarps = 4;
@@ -733,6 +761,7 @@ __device__ void store_sums(float* totals, const float (&values)[kValues]) {
 
 template <int kTokens, int kWidth, GemvStore kStore>
 __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_kernel(GemvArgs a) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   constexpr int kMatrices = kStore == GemvStore::kSwiglu ? 2 : 1;
   constexpr int kValues = kMatrices * kGemvRows * kTokens;  // dot products
   static_assert((kValues & (kValues - 1)) == 0 && (kTokens & (kTokens - 1)) == 0, "warp_sum_each halves powers of two");
@@ -854,6 +883,7 @@ __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_kernel(GemvArgs a) {
 
 // gate (count) = silu(gate) ⊙ up. Grid (min(ceil(count / 256), kMaxBlocks)), block 256, grid-stride loop.
 __global__ void swiglu_kernel(float* gate, const float* up, std::size_t count) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += std::size_t(gridDim.x) * blockDim.x) {
     gate[i] = swiglu_of(gate[i], up[i]);
   }
@@ -861,6 +891,7 @@ __global__ void swiglu_kernel(float* gate, const float* up, std::size_t count) {
 
 // x (count) += y. Grid and block as swiglu_kernel.
 __global__ void add_kernel(float* x, const float* y, std::size_t count) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
   for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += std::size_t(gridDim.x) * blockDim.x)
     x[i] += y[i];
 }
@@ -891,8 +922,13 @@ cudaStream_t new_stream() {
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(std::string name)
-      : name_(std::move(name)), gemv_max_tokens_(gemv_max_tokens()), stream_(new_stream()), blas_(stream_) {
+  // programmatic: launch the kernels programmatically dependent (LaunchQueue in cuda_support.h).
+  CudaBackend(std::string name, bool programmatic)
+      : name_(std::move(name)),
+        gemv_max_tokens_(gemv_max_tokens()),
+        stream_(new_stream()),
+        queue_{stream_, programmatic},
+        blas_(stream_) {
     // The tiled prefill attention's shared memory is over the 48 KB a kernel gets without asking, for heads
     // over 32: asked for where the device has it (A100, H100: 163 and 227 KB a block), else those heads keep
     // attention_kernel (a GPU with 99 KB, such as many laptops', tiles heads up to 64).
@@ -998,21 +1034,21 @@ class CudaBackend final : public Backend {
   }
 
   void embed(float* x, const float* table, const int* tokens, int n, int dim) override {
-    KVS_LAUNCH(embed_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, x, table, tokens, dim);
+    KVS_LAUNCH(embed_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_, x, table, tokens, dim);
   }
   void matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) override {
     blas_.matmul_rows(out, x, w, n, d_in, d_out);
   }
   void rmsnorm(float* out, const float* x, const float* weight, int n, int dim) override {
-    KVS_LAUNCH(rmsnorm_kernel, dim3(n), dim3(kThreads), 0, stream_, out, x, weight, dim);
+    KVS_LAUNCH(rmsnorm_kernel, dim3(n), dim3(kThreads), 0, queue_, out, x, weight, dim);
   }
   void rope_table(float* table, const int* positions, int n, int head_dim) override {
-    KVS_LAUNCH(rope_table_kernel, dim3(blocks_for(std::size_t(n) * head_dim / 2)), dim3(kThreads), 0, stream_, table,
+    KVS_LAUNCH(rope_table_kernel, dim3(blocks_for(std::size_t(n) * head_dim / 2)), dim3(kThreads), 0, queue_, table,
                positions, n, head_dim);
   }
   void rope(float* x, const float* table, int n, int heads, int head_dim) override {
     const std::size_t threads = std::size_t(n) * heads * head_dim / 2;
-    KVS_LAUNCH(rope_kernel, dim3(static_cast<unsigned>((threads + kThreads - 1) / kThreads)), dim3(kThreads), 0, stream_,
+    KVS_LAUNCH(rope_kernel, dim3(static_cast<unsigned>((threads + kThreads - 1) / kThreads)), dim3(kThreads), 0, queue_,
                x, table, n, heads, head_dim);
   }
   void attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
@@ -1036,20 +1072,20 @@ class CudaBackend final : public Backend {
     if (!weights && !kv.read_rope && shape.head_dim <= tiled_max_head_dim_) {
       const dim3 grid(shape.n_heads, (n + kTile - 1) / kTile), block(kTileSide * kTileSide);
       if (shape.head_dim <= 32)
-        KVS_LAUNCH(attention_tiled_kernel<32>, grid, block, attention_tiled_shared_bytes(32), stream_, out, q, positions,
+        KVS_LAUNCH(attention_tiled_kernel<32>, grid, block, attention_tiled_shared_bytes(32), queue_, out, q, positions,
                    n, kv, shape.n_heads, group, shape.head_dim);
       else if (shape.head_dim <= 64)
-        KVS_LAUNCH(attention_tiled_kernel<64>, grid, block, attention_tiled_shared_bytes(64), stream_, out, q, positions,
+        KVS_LAUNCH(attention_tiled_kernel<64>, grid, block, attention_tiled_shared_bytes(64), queue_, out, q, positions,
                    n, kv, shape.n_heads, group, shape.head_dim);
       else
-        KVS_LAUNCH(attention_tiled_kernel<128>, grid, block, attention_tiled_shared_bytes(128), stream_, out, q,
+        KVS_LAUNCH(attention_tiled_kernel<128>, grid, block, attention_tiled_shared_bytes(128), queue_, out, q,
                    positions, n, kv, shape.n_heads, group, shape.head_dim);
       return;
     }
     // Prefill otherwise (a block per query and head: 4 warps each: read-time rotation, larger heads) and an
     // observed step (one block per head: more warps share the rows, one per 64 rows, up to 16).
     const int warps = n == 1 ? std::clamp(kv.rows / 64, 1, kMaxAttentionWarps) : 4;
-    KVS_LAUNCH(attention_kernel, dim3(shape.n_heads, n), dim3(warps * kWarp), 0, stream_, out, weights, q, positions,
+    KVS_LAUNCH(attention_kernel, dim3(shape.n_heads, n), dim3(warps * kWarp), 0, queue_, out, weights, q, positions,
                kv, shape.n_heads, group, shape.head_dim);
   }
   // A decode step of several sequences (every part one query; chapter 08): one launch of the decoding kernel
@@ -1090,7 +1126,7 @@ class CudaBackend final : public Backend {
     float* partials = splits > 1 ? scratch : nullptr;
     const dim3 grid(shape.n_kv_heads * (group / tile), splits, sequences), block(kDecodeWarps * kWarp);
 #define KVS_DECODE(elements)                                                                                   \
-  KVS_LAUNCH((attention_decode_kernel<elements, kViews>), grid, block, 0, stream_, out, partials, q, positions, views, \
+  KVS_LAUNCH((attention_decode_kernel<elements, kViews>), grid, block, 0, queue_, out, partials, q, positions, views, \
              shape.n_heads, group, tile, shape.head_dim)
     if (shape.head_dim <= kWarp) KVS_DECODE(1);
     else if (shape.head_dim <= 2 * kWarp) KVS_DECODE(2);
@@ -1098,7 +1134,7 @@ class CudaBackend final : public Backend {
     else KVS_DECODE(8);
 #undef KVS_DECODE
     if (partials)
-      KVS_LAUNCH(attention_merge_kernel, dim3(shape.n_heads, sequences), dim3(128), 0, stream_, out, partials, splits,
+      KVS_LAUNCH(attention_merge_kernel, dim3(shape.n_heads, sequences), dim3(128), 0, queue_, out, partials, splits,
                  shape.head_dim);
   }
   // The fused operations (backend.h) as one gemv_kernel launch each for calls of up to gemv_max_tokens_ tokens;
@@ -1136,23 +1172,23 @@ class CudaBackend final : public Backend {
   void write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
                   int width) override {
     if (n > 0)  // a grid of no blocks is an invalid launch
-      KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_,
+      KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_,
                  RowSides{{rows, nullptr}, {src, nullptr}}, row_stride, positions, ring, width);
   }
   void write_key_value_rows(float* keys, float* values, int row_stride, const int* positions, Ring ring, const float* k,
                             const float* v, int n, int width) override {
     if (n > fused_tokens()) return Backend::write_key_value_rows(keys, values, row_stride, positions, ring, k, v, n, width);
     if (n > 0)
-      KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n), 2), dim3(kThreads), 0, stream_,
+      KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n), 2), dim3(kThreads), 0, queue_,
                  RowSides{{keys, values}, {k, v}}, row_stride, positions, ring, width);
   }
   void write_positions(int* slot_positions, const int* positions, Ring ring, int n) override {
-    KVS_LAUNCH(write_positions_kernel, dim3(1), dim3(kThreads), 0, stream_, slot_positions, positions, ring, n);
+    KVS_LAUNCH(write_positions_kernel, dim3(1), dim3(kThreads), 0, queue_, slot_positions, positions, ring, n);
   }
   void write_paged_rows(float* rows, int row_stride, const int* positions, BlockTable table, const float* src, int n,
                         int width) override {
     if (n > 0)  // a grid of no blocks is an invalid launch
-      KVS_LAUNCH(write_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_,
+      KVS_LAUNCH(write_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_,
                  RowSides{{rows, nullptr}, {src, nullptr}}, row_stride, positions, table, width);
   }
   // Up to kMaxBatchSequences sequences a launch (a decode step of 64 sequences: one launch a layer, not 128).
@@ -1171,31 +1207,31 @@ class CudaBackend final : public Backend {
       }
       const int end = launch.part[count - 1].offset + launch.part[count - 1].n;  // the rows of the launch
       if (end > 0)
-        KVS_LAUNCH(write_paged_batch_kernel, dim3(static_cast<unsigned>(end), 2), dim3(kThreads), 0, stream_, keys, values,
+        KVS_LAUNCH(write_paged_batch_kernel, dim3(static_cast<unsigned>(end), 2), dim3(kThreads), 0, queue_, keys, values,
                    positions + base, launch, count, k + std::size_t(base) * keys.width, v + std::size_t(base) * values.width);
     }
   }
   void write_coded_rows(const CodedRows& rows, const int* positions, Ring ring, const float* src, int n) override {
     if (n > 0)  // a grid of no blocks is an invalid launch
-      KVS_LAUNCH(write_coded_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows,
+      KVS_LAUNCH(write_coded_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_, rows,
                  positions, ring, src);
   }
   void write_paged_coded_rows(const CodedRows& rows, const int* positions, BlockTable table, const float* src,
                               int n) override {
     if (n > 0)  // a grid of no blocks is an invalid launch
-      KVS_LAUNCH(write_coded_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream_, rows,
+      KVS_LAUNCH(write_coded_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_, rows,
                  positions, table, src);
   }
   void encode_channel_groups(const CodedRows& rows, int first_group, int groups, const float* src) override {
     if (groups > 0)
-      KVS_LAUNCH(encode_channel_groups_kernel, dim3(static_cast<unsigned>(groups)), dim3(kThreads), 0, stream_, rows,
+      KVS_LAUNCH(encode_channel_groups_kernel, dim3(static_cast<unsigned>(groups)), dim3(kThreads), 0, queue_, rows,
                  first_group, src);
   }
   void swiglu(float* gate, const float* up, std::size_t count) override {
-    KVS_LAUNCH(swiglu_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, stream_, gate, up, count);
+    KVS_LAUNCH(swiglu_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, queue_, gate, up, count);
   }
   void add(float* x, const float* y, std::size_t count) override {
-    KVS_LAUNCH(add_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, stream_, x, y, count);
+    KVS_LAUNCH(add_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, queue_, x, y, count);
   }
 
  private:
@@ -1218,10 +1254,10 @@ class CudaBackend final : public Backend {
     const int warps = std::clamp((a.d_in + kWarp * kWidth - 1) / (kWarp * kWidth), 1, kGemvWarps);
     const int tiles = (a.n + kGemvTokens - 1) / kGemvTokens;  // 1 up to kGemvTokens tokens
     const dim3 grid((a.rows + kGemvRows - 1) / kGemvRows * tiles), block(warps * kWarp);
-    if (a.n == 1) KVS_LAUNCH((gemv_kernel<1, kWidth, kStore>), grid, block, 0, stream_, a);
-    else if (a.n == 2) KVS_LAUNCH((gemv_kernel<2, kWidth, kStore>), grid, block, 0, stream_, a);
-    else if (a.n <= 4) KVS_LAUNCH((gemv_kernel<4, kWidth, kStore>), grid, block, 0, stream_, a);
-    else KVS_LAUNCH((gemv_kernel<kGemvTokens, kWidth, kStore>), grid, block, 0, stream_, a);
+    if (a.n == 1) KVS_LAUNCH((gemv_kernel<1, kWidth, kStore>), grid, block, 0, queue_, a);
+    else if (a.n == 2) KVS_LAUNCH((gemv_kernel<2, kWidth, kStore>), grid, block, 0, queue_, a);
+    else if (a.n <= 4) KVS_LAUNCH((gemv_kernel<4, kWidth, kStore>), grid, block, 0, queue_, a);
+    else KVS_LAUNCH((gemv_kernel<kGemvTokens, kWidth, kStore>), grid, block, 0, queue_, a);
   }
   static bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
@@ -1238,6 +1274,7 @@ class CudaBackend final : public Backend {
   std::string name_;
   int gemv_max_tokens_;  // fused products up to this many tokens (gemv_max_tokens)
   cudaStream_t stream_;
+  cuda::LaunchQueue queue_;  // stream_, and whether kernels go on it programmatically dependent
   Blas blas_;
   std::vector<float*> weights_;
   cudaGraphExec_t graph_ = nullptr;
@@ -1250,7 +1287,8 @@ class CudaBackend final : public Backend {
 
 #if defined(KVS_CUDA_HARNESS)
 std::unique_ptr<Backend> make_cuda_harness_backend() {
-  return std::make_unique<CudaBackend>("cuda kernels on the CPU (CUDA harness, for tests; never time it)");
+  programmatic_launch_wanted();  // a bad KVS_PROGRAMMATIC_LAUNCH is refused here too; the harness runs kernels in order
+  return std::make_unique<CudaBackend>("cuda kernels on the CPU (CUDA harness, for tests; never time it)", false);
 }
 #endif
 
@@ -1270,6 +1308,9 @@ extern "C" kvs::Backend* kvs_create_cuda_backend() {
   }
   cudaDeviceProp properties{};
   KVS_CUDA_CHECK(cudaGetDeviceProperties(&properties, 0));
-  return new kvs::CudaBackend(std::string("cuda (") + properties.name + ", cuBLAS)");
+  const bool programmatic = kvs::programmatic_launch_wanted() && properties.major >= 9;
+  return new kvs::CudaBackend(std::string("cuda (") + properties.name + ", cuBLAS" +
+                                  (programmatic ? ", programmatic launch" : "") + ")",
+                              programmatic);
 }
 #endif

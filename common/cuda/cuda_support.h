@@ -2,7 +2,9 @@
 // What every .cu file of the project includes first: the CUDA runtime under nvcc, or the CUDA harness
 // (common/cuda/harness) when g++ compiles the same source with KVS_CUDA_HARNESS defined; the checks that
 // name file and line; and the constructs whose spelling differs between the two: a kernel launch, dynamic
-// shared memory and an unrolling request. Nothing else in a .cu file knows which of the two compiles it.
+// shared memory, an unrolling request and the wait for the kernel before. Nothing else in a .cu file knows which
+// of the two compiles it.
+#include <cstddef>
 #include <stdexcept>
 #include <string>
 
@@ -13,6 +15,15 @@
 #endif
 
 namespace kvs::cuda {
+// Where a kernel goes: its stream, and whether it is launched programmatically dependent on the kernel before it
+// on that stream (Hopper's programmatic dependent launch, compute capability 9.0 on; book 07): it may then be
+// scheduled while that kernel still runs, its blocks waiting in KVS_WAIT_FOR_PREVIOUS_KERNEL, so that the gap
+// between two small kernels - the second one's launch, the first one's drain - is spent overlapped.
+struct LaunchQueue {
+  cudaStream_t stream;
+  bool programmatic;
+};
+
 [[noreturn]] inline void fail(const char* call, const char* error, const char* file, int line) {
   throw std::runtime_error(std::string("CUDA error at ") + file + ":" + std::to_string(line) + ": " + call + ": " + error);
 }
@@ -27,18 +38,52 @@ namespace kvs::cuda {
 
 #if defined(KVS_CUDA_HARNESS)
 // Every thread of every block runs `kernel(args...)` on the CPU (see harness/cuda_runtime_harness.h); the
-// stream is ignored (everything runs in order), unless a capture records the launch.
-#define KVS_LAUNCH(kernel, grid, block, shared_bytes, stream, ...) \
+// queue is ignored (everything runs in order), unless a capture records the launch.
+#define KVS_LAUNCH(kernel, grid, block, shared_bytes, queue, ...) \
   ::kvs::cuda_harness::launch_kernel(#kernel, grid, block, shared_bytes, kernel, __VA_ARGS__)
+// Every kernel runs after the one before has finished here; the harness checks that every thread calls this
+// before any barrier or warp operation and before it ends.
+#define KVS_WAIT_FOR_PREVIOUS_KERNEL() ::kvs::cuda_harness::wait_for_previous_kernel()
 #define KVS_DYNAMIC_SHARED(type, name) type* name = static_cast<type*>(::kvs::cuda_harness::dynamic_shared_memory())
 // nvcc's loop-unrolling request (registers indexed by an unrolled loop's counter stay registers); g++ ignores it.
 #define KVS_UNROLL
 #else
-#define KVS_LAUNCH(kernel, grid, block, shared_bytes, stream, ...)      \
-  do {                                                                 \
-    kernel<<<grid, block, shared_bytes, stream>>>(__VA_ARGS__);        \
-    KVS_CUDA_CHECK(cudaGetLastError());                                \
+namespace kvs::cuda {
+// kernel<<<grid, block, shared_bytes, queue.stream>>>(args...), with the programmatic attribute when queue asks.
+template <typename... Params, typename... Args>
+cudaError_t launch(LaunchQueue queue, dim3 grid, dim3 block, std::size_t shared_bytes, void (*kernel)(Params...),
+                   Args... args) {
+  cudaLaunchAttribute programmatic{};
+  programmatic.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  programmatic.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = queue.stream;
+  config.attrs = &programmatic;
+  config.numAttrs = queue.programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+}  // namespace kvs::cuda
+#define KVS_LAUNCH(kernel, grid, block, shared_bytes, queue, ...) \
+  KVS_CUDA_CHECK(::kvs::cuda::launch(queue, grid, block, shared_bytes, kernel, __VA_ARGS__))
+// The first statement of every kernel. Launched programmatically, a kernel may start while the one before it
+// still runs: griddepcontrol.wait returns once that kernel has finished and its writes are visible (nothing
+// before it may read what that kernel writes, or write what it reads); launch_dependents then lets the kernel
+// after this one be scheduled as soon as every block of this one has got here. Launched plainly, or before
+// compute capability 9.0, both are no-ops.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KVS_WAIT_FOR_PREVIOUS_KERNEL()                             \
+  do {                                                             \
+    asm volatile("griddepcontrol.wait;" ::: "memory");             \
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); \
   } while (0)
+#else
+#define KVS_WAIT_FOR_PREVIOUS_KERNEL() \
+  do {                                 \
+  } while (0)
+#endif
 #define KVS_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 #define KVS_UNROLL _Pragma("unroll")
 #endif

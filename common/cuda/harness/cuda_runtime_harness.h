@@ -19,9 +19,11 @@
 //     asynchronous copies and the harness's matrix products are recorded (kernel arguments by value, as a
 //     launch copies them), not run; cudaGraphLaunch runs the recording. A synchronous copy, a stream
 //     synchronisation or a second capture while capturing is refused, as CUDA refuses it.
-// Errors it reports, naming the kernel: a __syncthreads() that some threads of the block never reach (they
-// exited or wait elsewhere), a warp operation that a lane of its mask never joins or joins with another
-// mask, a shuffle reading a lane outside its mask. A deadlock is reported, never a hang.
+// Errors it reports, naming the kernel: a thread that reaches a synchronisation point or its end without
+// KVS_WAIT_FOR_PREVIOUS_KERNEL() (cuda_support.h: every kernel's first statement), a __syncthreads() that some
+// threads of the block never reach (they exited or wait elsewhere), a warp operation that a lane of its mask
+// never joins or joins with another mask, a shuffle reading a lane outside its mask. A deadlock is reported,
+// never a hang.
 // KVS_CUDA_HARNESS_ORDER=sequential (default) | reverse | random:SEED sets the order in which the threads
 // of a block run between two synchronisation points: a missing barrier shows as a wrong result under
 // some order.
@@ -91,6 +93,9 @@ void set_thread_order(const std::string& order);
 // The calling block's dynamic shared memory.
 void* dynamic_shared_memory();
 
+// KVS_WAIT_FOR_PREVIOUS_KERNEL(): the previous kernel has finished here (launches run in order); marks the calling
+// thread as having waited, which every thread must before it synchronises or ends.
+void wait_for_previous_kernel();
 // Block barrier.
 void syncthreads();
 // A warp operation of the calling lane: waits until every lane of `mask` made the same call with the same

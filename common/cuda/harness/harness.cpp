@@ -35,6 +35,11 @@ namespace ctx = boost::context;
 namespace {
 
 constexpr int kWarpSize = 32;
+// Why a thread must wait first (cuda_support.h): on a GPU a kernel launched programmatically may start before
+// the kernel ahead of it on the stream has finished.
+constexpr const char* kNoWait =
+    " without KVS_WAIT_FOR_PREVIOUS_KERNEL() (a kernel's first statement: launched programmatically it may start "
+    "before the kernel ahead of it has finished)";
 constexpr int kMaxThreadsPerBlock = 1024;
 constexpr std::size_t kMaxDynamicShared = 227 * 1024;  // an H100's per-block limit
 #if defined(__SANITIZE_ADDRESS__)
@@ -109,6 +114,7 @@ struct Thread {
   ctx::fiber scheduler;  // where the thread returns to, while it runs
   uint3 index;
   State state = State::kReady;
+  bool waited_for_previous_kernel = false;  // KVS_WAIT_FOR_PREVIOUS_KERNEL() called
   // The warp operation it waits at.
   WarpOp op = WarpOp::kSync;
   unsigned mask = 0;
@@ -174,6 +180,8 @@ class Scheduler {
   // Called by a running thread: stop at a synchronisation point until the scheduler releases it.
   void wait(State state) {
     Thread& t = threads_[current_];
+    if (!t.waited_for_previous_kernel)
+      fail(where(current_) + " reaches " + (state == State::kAtBarrier ? "__syncthreads()" : op_name(t.op)) + kNoWait);
     t.state = state;
 #if defined(__SANITIZE_ADDRESS__)
     __sanitizer_start_switch_fiber(&t.fake_stack, main_bottom_, main_size_);
@@ -214,7 +222,10 @@ class Scheduler {
 #endif
         threads_[t].scheduler = std::move(scheduler);
         try {
-          if (!abandoning_) body();  // a thread first entered while abandoning never runs the kernel
+          if (!abandoning_) {  // a thread first entered while abandoning never runs the kernel
+            body();
+            if (!threads_[t].waited_for_previous_kernel) fail(where(t) + " ends" + kNoWait);
+          }
         } catch (const Abandon&) {
           // the launch failed elsewhere: this thread's stack is unwound, it ends here
         } catch (...) {
@@ -387,6 +398,8 @@ void launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_share
 void* dynamic_shared_memory() { return scheduler().dynamic_shared(); }
 
 void set_thread_order(const std::string& order) { scheduler().set_order(order); }
+
+void wait_for_previous_kernel() { calling_thread("KVS_WAIT_FOR_PREVIOUS_KERNEL").waited_for_previous_kernel = true; }
 
 void syncthreads() {
   calling_thread("__syncthreads");
