@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <random>
@@ -253,6 +255,25 @@ TEST_CASE("cuda kernels: KVS_GEMV_MAX_TOKENS lowers the fused products' limit an
     }
     unsetenv("KVS_GEMV_MAX_TOKENS");
   }
+}
+
+// cuda_support.h's rule, read off the source: the first statement of every kernel is KVS_WAIT_FOR_PREVIOUS_KERNEL().
+// The harness reports a thread that synchronises or ends before it, not a load or a store before it, which on a
+// GPU launching programmatically would race with the kernel ahead; this reads every kernel's body instead.
+TEST_CASE("cuda kernels: every kernel's first statement is KVS_WAIT_FOR_PREVIOUS_KERNEL()") {
+  std::ifstream file(KVS_CUDA_BACKEND_SOURCE);
+  REQUIRE(file);
+  const std::string source{std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>()};
+  const std::string kernel = "\n__global__", wait = "KVS_WAIT_FOR_PREVIOUS_KERNEL();";
+  int kernels = 0;
+  for (std::size_t at = source.find(kernel); at != std::string::npos; at = source.find(kernel, at + 1), ++kernels) {
+    const std::size_t body = source.find('{', at);  // no kernel's parameter list holds a brace
+    REQUIRE(body != std::string::npos);
+    const std::size_t first = source.find_first_not_of(" \n", body + 1);
+    CAPTURE(source.substr(at + 1, body - at));
+    CHECK(source.compare(first, wait.size(), wait) == 0);
+  }
+  CHECK(kernels >= 16);  // the kernels of today, so that a search that finds none fails
 }
 
 // KVS_PROGRAMMATIC_LAUNCH (tests/gpu_session.sh's A/B of programmatic dependent launch): 0 or 1; anything else

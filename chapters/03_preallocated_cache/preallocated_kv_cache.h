@@ -42,8 +42,8 @@ class PreallocatedKvCache final : public KvCache {
     length_ = pos + n;  // pos < length_ rewinds: later rows are overwritten
   }
 
-  // Row p of a layer's block holds position p (a ring that never wraps): write_rows reads the positions from
-  // backend memory, so a recorded decode step writes the row of the position it is replayed at.
+  // Row p of a layer's block holds position p (a ring that never wraps): write_key_value_rows reads the positions
+  // from backend memory, so a recorded decode step writes the row of the position it is replayed at.
   void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) override {
     check_write("PreallocatedKvCache", layer, n_layers_, pos, n, length_);
     backend_.write_key_value_rows(storage_.data() + block(layer, 0), storage_.data() + block(layer, 1), kv_dim_, positions,

@@ -9,7 +9,8 @@
 // the same view at every length (a recorded decode step replays).
 //
 // Layout: [layer][K or V] blocks; a block is (max_positions, code bytes) codes, then (max_positions, scales) floats
-// (kv_format.h's CodedRows). fp32 keeps chapter 03's float rows and write_rows, so the baseline is the same code.
+// (kv_format.h's CodedRows). fp32 keeps chapter 03's float rows and write_key_value_rows, so the baseline is the
+// same code.
 //
 // KIVI's keys (Keys::kPerChannel, int4 only): a few channels of this model's keys are large at every position
 // (chapter 10's channels experiment), so a scale per token wastes its 16 levels on them; KIVI codes each channel

@@ -1308,7 +1308,11 @@ extern "C" kvs::Backend* kvs_create_cuda_backend() {
   }
   cudaDeviceProp properties{};
   KVS_CUDA_CHECK(cudaGetDeviceProperties(&properties, 0));
-  const bool programmatic = kvs::programmatic_launch_wanted() && properties.major >= 9;
+  // The wait is compiled only into code generated for compute capability 9.0 on (cuda_support.h): a build for
+  // older targets alone (CMAKE_CUDA_ARCHITECTURES=80) runs on an H100 from their PTX, and its kernels would not wait.
+  cudaFuncAttributes kernel{};
+  KVS_CUDA_CHECK(cudaFuncGetAttributes(&kernel, kvs::embed_kernel));
+  const bool programmatic = kvs::programmatic_launch_wanted() && properties.major >= 9 && kernel.ptxVersion >= 90;
   return new kvs::CudaBackend(std::string("cuda (") + properties.name + ", cuBLAS" +
                                   (programmatic ? ", programmatic launch" : "") + ")",
                               programmatic);
