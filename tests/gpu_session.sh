@@ -3,21 +3,23 @@
 # the test suite with the GPU present; compute-sanitizer on the kernel tests; the breakdowns of both builds,
 # interleaved, and of this one with its kernels launched plainly (KVS_PROGRAMMATIC_LAUNCH=0). Usage, from the repository root on the GPU machine:
 #   bash tests/gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]
-# STEPS: a comma-separated subset of build,test,sanitize,ab,chapters,transcripts (default: all but transcripts;
-# chapters: the batch throughput of chapter 08 and the formats' speed of chapter 10 on the GPU).
+# STEPS: a comma-separated subset of build,ab,test,sanitize,chapters,transcripts, run in that order (default: all
+# but transcripts; chapters: the batch throughput of chapter 08 and the formats' speed of chapter 10 on the GPU).
+# The A/B comes right after the build: a call stopped at its time limit has the measurements first.
 # Header-only dependencies the machine lacks (Eigen, doctest) may be given as a prefix in .deps/ (CMake config
 # files included); a base tree (git archive of an older commit) as BASE_SOURCE_DIR. tests/gpu_prepare.sh COMMIT
 # makes both, in .deps/ and .ab/base, folders .git/info/exclude ignores; the device call carries them.
 # Everything lands in OUT_DIR and in one archive, OUT_DIR.tgz or GPU_SESSION_ARCHIVE where set, rewritten after
 # each step, which also prints its seconds. A device call returns at most 8 files of its $OUT: keep OUT_DIR out
 # of it and the archive in it, `GPU_SESSION_ARCHIVE=$OUT/s.tgz bash tests/gpu_session.sh /tmp/s .ab/base STEPS`.
-# A device call stops at 600 s: build, test, sanitize and ab took 446 s in the 2026-11-23 call (before chapters
-# existed), so give chapters (and transcripts) a second call, STEPS build,chapters,transcripts (the build step
+# A device call stops at 600 s, and a session has 15 minutes of device time, the machine's start included: build,
+# test, sanitize and ab took 446 s in the 2026-11-23 call (before chapters existed). So one call, timeout 600,
+# steps build,ab,test,sanitize; chapters and transcripts only in a second call where time is left (the build step
 # rebuilds only what is missing, everything where the machine was handed back in between).
 set -uo pipefail
 out=${1:?usage: gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]}
 base=${2:-}
-steps=${3:-build,test,sanitize,ab,chapters}
+steps=${3:-build,ab,test,sanitize,chapters}
 mkdir -p "$out"
 has() { [[ ",$steps," == *",$1,"* ]]; }
 # After each step: its seconds, and the archive rewritten, so that a call stopped at its time limit still
@@ -45,21 +47,11 @@ if has build; then
   [[ -x build/release/bin/03_benchmark ]] || { echo "build failed"; tail -30 "$out/build.log"; step_done build; exit 1; }
   step_done build
 fi
-if has test; then
-  start=$SECONDS
-  (cd build/release && ctest -j "$jobs" -LE book --timeout 600 >"$out/ctest.log" 2>&1)
-  echo "ctest: $((SECONDS - start)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Skipped" "$out/ctest.log" | head -20
-  step_done test
-fi
-if has sanitize; then
-  cases=${SANITIZE_CASES:-'cuda kernels:*,recorded decoding:*,batched attention:*,batched cache write:*,batched decode through pools:*'}
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 99 build/release/bin/kvs_tests -tc="$cases" >"$out/sanitizer_$tool.log" 2>&1
-    echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY' "$out/sanitizer_$tool.log") summaries: $(grep 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' '))"
-  done
-  step_done sanitize
-fi
 if has ab; then
+  # First a quick check that this build's replayed decode steps are the forward pass's on this GPU (graphs and
+  # programmatic launch included): numbers from a wrong build are worth nothing.
+  build/release/bin/kvs_tests -tc='recorded decoding:*' >"$out/smoke.log" 2>&1
+  echo "smoke (recorded decoding on the GPU): exit $?"; tail -3 "$out/smoke.log"
   shipped="--breakdown --lengths 32,512,1984 --max-new-tokens 64"
   synthetic="--synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown --max-new-tokens 32"
   builds=(release); [[ -x build/base/bin/03_benchmark ]] && builds=(base release)
@@ -79,6 +71,20 @@ if has ab; then
   build/release/bin/03_benchmark --backend cpu --threads 1 $shipped --csv "$out/shipped_cpu1.csv" >"$out/shipped_cpu1.log" 2>&1
   echo "== one CPU core"; grep -A4 "  context     step" "$out/shipped_cpu1.log" | tail -4
   step_done ab
+fi
+if has test; then
+  start=$SECONDS
+  (cd build/release && ctest -j "$jobs" -LE book --timeout 600 >"$out/ctest.log" 2>&1)
+  echo "ctest: $((SECONDS - start)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Skipped" "$out/ctest.log" | head -20
+  step_done test
+fi
+if has sanitize; then
+  cases=${SANITIZE_CASES:-'cuda kernels:*,recorded decoding:*,batched attention:*,batched cache write:*,batched decode through pools:*'}
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 99 build/release/bin/kvs_tests -tc="$cases" >"$out/sanitizer_$tool.log" 2>&1
+    echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY' "$out/sanitizer_$tool.log") summaries: $(grep 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' '))"
+  done
+  step_done sanitize
 fi
 if has chapters; then
   build/release/bin/08_paged_batching --backend cuda --experiment throughput --csv "$out/batch_throughput_gpu.csv" \
