@@ -50,8 +50,12 @@ fi
 if has ab; then
   # First a quick check that this build's replayed decode steps are the forward pass's on this GPU (graphs and
   # programmatic launch included): numbers from a wrong build are worth nothing.
-  build/release/bin/kvs_tests -tc='recorded decoding:*' >"$out/smoke.log" 2>&1
-  echo "smoke (recorded decoding on the GPU): exit $?"; tail -3 "$out/smoke.log"
+  build/release/bin/kvs_tests -tc='recorded decoding:*' >"$out/smoke.log" 2>&1; smoke=$?
+  echo "smoke (recorded decoding on the GPU): exit $smoke"; tail -3 "$out/smoke.log"
+  if [[ $smoke != 0 ]]; then  # programmatic launch not yet run on a GPU (book 07): the session goes on without it
+    KVS_PROGRAMMATIC_LAUNCH=0 build/release/bin/kvs_tests -tc='recorded decoding:*' >"$out/smoke_plain.log" 2>&1 &&
+      { export KVS_PROGRAMMATIC_LAUNCH=0; echo "smoke passes with KVS_PROGRAMMATIC_LAUNCH=0: the rest of this call runs with it"; }
+  fi
   shipped="--breakdown --lengths 32,512,1984 --max-new-tokens 64"
   synthetic="--synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown --max-new-tokens 32"
   builds=(release); [[ -x build/base/bin/03_benchmark ]] && builds=(base release)
