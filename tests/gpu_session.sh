@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a session lent a GPU runs in one call (book 07): build this tree and, for an A/B comparison, an older one;
-# the test suite with the GPU present; compute-sanitizer on the kernel tests; the breakdowns of both builds,
-# interleaved, and of this one with its kernels launched plainly (KVS_PROGRAMMATIC_LAUNCH=0). Usage, from the repository root on the GPU machine:
+# the breakdowns of both builds, interleaved, and of this one with its kernels launched plainly
+# (KVS_PROGRAMMATIC_LAUNCH=0); the test suite with the GPU present; compute-sanitizer on the kernel tests.
+# Usage, from the repository root on the GPU machine:
 #   bash tests/gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]
 # STEPS: a comma-separated subset of build,ab,test,sanitize,chapters,transcripts, run in that order (default: all
 # but transcripts; chapters: the batch throughput of chapter 08 and the formats' speed of chapter 10 on the GPU).

@@ -54,7 +54,6 @@ __global__ void divergent_shuffle(float* out) {
   out[threadIdx.x] = v;
 }
 
-// A barrier inside a branch that half of the block skips.
 // Kernels that break cuda_support.h's rule (KVS_WAIT_FOR_PREVIOUS_KERNEL() first): one never waits, one meets
 // its block at a barrier before it waits.
 __global__ void never_waits(float* out) { out[threadIdx.x] = 1.0f; }
@@ -64,6 +63,7 @@ __global__ void barrier_before_waiting(float* out) {
   out[threadIdx.x] = 1.0f;
 }
 
+// A barrier inside a branch that half of the block skips.
 __global__ void barrier_in_branch(float* out) {
   KVS_WAIT_FOR_PREVIOUS_KERNEL();
   if (threadIdx.x < 64) __syncthreads();
