@@ -75,6 +75,8 @@ if has ab; then
   done
   build/release/bin/03_benchmark --backend cpu --threads 1 $shipped --csv "$out/shipped_cpu1.csv" >"$out/shipped_cpu1.log" 2>&1
   echo "== one CPU core"; grep -A4 "  context     step" "$out/shipped_cpu1.log" | tail -4
+  python3 tests/gpu_ab_table.py "$out" >"$out/ab_table.md" 2>&1; echo "== the A/B as book 07's tables (ab_table.md)"
+  cat "$out/ab_table.md"
   step_done ab
 fi
 if has test; then
