@@ -70,6 +70,13 @@ std::vector<std::string> kernel_backends() {
   return names;
 }
 
+// Unsets an environment variable the backend reads when it goes out of scope, whatever happened (another test
+// case may run in this process).
+struct UnsetAtExit {
+  const char* name;
+  ~UnsetAtExit() { unsetenv(name); }
+};
+
 }  // namespace
 
 TEST_CASE("cuda kernels: embedding, RMSNorm, SwiGLU and add equal the CPU backend across block boundaries") {
@@ -235,11 +242,9 @@ TEST_CASE("cuda kernels: the fused norm-products, SwiGLU and residual add equal 
 
 // KVS_GEMV_MAX_TOKENS (tests/gpu_session.sh's A/B of the fused products against cuBLAS for 9 to 64 tokens):
 // lowers the limit, so a call of more tokens takes the definition; anything but 1 to 64 refuses the backend with
-// the reason. Unset again whatever happens (another test case may run in this process).
+// the reason.
 TEST_CASE("cuda kernels: KVS_GEMV_MAX_TOKENS lowers the fused products' limit and refuses what is not 1 to 64") {
-  struct Unset {
-    ~Unset() { unsetenv("KVS_GEMV_MAX_TOKENS"); }
-  } unset;
+  const UnsetAtExit unset{"KVS_GEMV_MAX_TOKENS"};
   for (const std::string& name : kernel_backends()) {
     CAPTURE(name);
     setenv("KVS_GEMV_MAX_TOKENS", "8", 1);
@@ -279,9 +284,7 @@ TEST_CASE("cuda kernels: every kernel's first statement is KVS_WAIT_FOR_PREVIOUS
 // KVS_PROGRAMMATIC_LAUNCH (tests/gpu_session.sh's A/B of programmatic dependent launch): 0 or 1; anything else
 // refuses the backend with the reason, on a GPU and through the harness alike.
 TEST_CASE("cuda kernels: KVS_PROGRAMMATIC_LAUNCH takes 0 or 1 and refuses anything else") {
-  struct Unset {
-    ~Unset() { unsetenv("KVS_PROGRAMMATIC_LAUNCH"); }
-  } unset;
+  const UnsetAtExit unset{"KVS_PROGRAMMATIC_LAUNCH"};
   for (const std::string& name : kernel_backends()) {
     CAPTURE(name);
     for (const char* value : {"0", "1"}) {

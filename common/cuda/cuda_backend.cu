@@ -37,7 +37,8 @@ constexpr float kRmsEps = 1e-5f;  // as the CPU backend and llama2.c
 // ---- kernels ----
 // Every kernel starts with KVS_WAIT_FOR_PREVIOUS_KERNEL() (cuda_support.h): launched programmatically, as this
 // backend launches them on compute capability 9.0 and later, a kernel may start before the one ahead of it has
-// finished, and must not touch memory before that wait (the harness checks every thread calls it first).
+// finished, and must not touch memory before that wait (the harness reports a thread that synchronises or ends
+// before it; a test reads each kernel's source for it as the first statement).
 
 // Sum of v over the 32 lanes of the calling warp, in every lane.
 __device__ float warp_sum(float v) {
