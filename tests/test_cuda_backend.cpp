@@ -278,7 +278,7 @@ TEST_CASE("cuda kernels: every kernel's first statement is KVS_WAIT_FOR_PREVIOUS
     CAPTURE(source.substr(at + 1, body - at));
     CHECK(source.compare(first, wait.size(), wait) == 0);
   }
-  CHECK(kernels >= 16);  // the kernels of today, so that a search that finds none fails
+  CHECK(kernels >= 15);  // the kernels of today, so that a search that finds none fails
 }
 
 // KVS_PROGRAMMATIC_LAUNCH (tests/gpu_session.sh's A/B of programmatic dependent launch): 0 or 1; anything else
@@ -431,6 +431,28 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
     for (int slot : {10, 11, 300, 599}) long_ring[slot] = -1;
     check(mqa, long_ring, true, 0, Window{.size = 600, .sinks = 4}, query, 1);
     check(gqa, long_ring, true, 0, Window{.size = 600, .sinks = 4}, query, 1, true);
+  });
+}
+
+// The split decoding kernel counts each (KV head, tile, sequence)'s finished chunks in counters the backend holds
+// (kArrivalCounters, 16,384): a launch with more is refused before it writes past them. 257 query heads, each
+// its own KV head (a tile of 1), in 64 sequences of 65 rows (two chunks each) are 16,448.
+TEST_CASE("cuda kernels: a split decoding launch with more blocks per chunk than the arrival counters is refused") {
+  test::for_each_backend(kernel_backends(), [&](Backend& b) {
+    const AttentionShape shape{257, 257, 32};
+    const int rows = 65, sequences = 64, dim = shape.n_heads * shape.head_dim;
+    const Buffer keys = test::to_backend(b, std::vector<float>(std::size_t(rows) * dim, 0.5f));
+    const Buffer q = test::to_backend(b, std::vector<float>(std::size_t(sequences) * dim, 0.5f));
+    std::vector<int> host_positions(sequences, rows - 1);
+    IntBuffer query_positions(b, host_positions.size());
+    b.from_host(query_positions.data(), host_positions.data(), host_positions.size());
+    const KvView view{.keys = keys.data(), .values = keys.data(), .rows = rows, .row_stride = dim};
+    std::vector<Backend::AttentionPart> parts;
+    for (int i = 0; i < sequences; ++i) parts.push_back({i, 1, view});
+    Buffer out(b, std::size_t(sequences) * dim), scratch(b, b.attention_scratch_floats(shape, rows, sequences));
+    CHECK_THROWS_WITH_AS(b.attention_batch(out.data(), q.data(), query_positions.data(), parts, shape,
+                                           {scratch.data(), scratch.size()}),
+                         doctest::Contains("decode fewer sequences at once"), std::invalid_argument);
   });
 }
 

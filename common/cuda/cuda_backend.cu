@@ -188,13 +188,13 @@ __global__ void rope_kernel(float* x, const float* table, int n, int heads, int 
 // slot's bytes, NaN included, cannot leak in). Within a row, lane l holds the elements l, l + 32, ... of
 // q, k, v (head_dim <= kMaxHeadDim). Two kernels use the pieces below:
 //   attention_kernel: one block per (query, head) visits all the query's rows (prefill; an observed step);
-//   attention_decode_kernel (+ attention_merge_kernel): decoding, one query ("flash-decoding"). One query
+//   attention_decode_kernel: decoding, one query ("flash-decoding"). One query
 //     has only n_heads blocks' worth of work, too few to keep a GPU's memory busy (16 blocks on 132 SMs read
 //     K/V at 37 GB/s at 16k positions), so the rows are split into chunks, one block per (KV head, chunk);
 //     the block serves every query head that reads that KV head (GQA: each row read once, not once per
 //     query head), and each warp loads several rows before it uses any (a row at a time left each warp
-//     waiting out a memory latency per row). A second kernel merges the chunks' partial softmaxes. Measured
-//     on an H100, book/07.
+//     waiting out a memory latency per row). The last block of a KV head to finish merges the chunks'
+//     partial softmaxes (a second kernel did until version 4). Measured on an H100, book/07.
 constexpr int kMaxAttentionWarps = 16;
 constexpr int kMaxHeadDim = 256;
 constexpr int kPerLane = kMaxHeadDim / kWarp;
@@ -485,13 +485,18 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
 // its query heads and updates that head's online softmax. The block's warps merge through shared memory; with
 // one chunk the block writes out (sequences, n_heads · head_dim) itself, otherwise partials (sequences, n_heads,
 // splits, 2 + head_dim) = [max, total, Σ exp(score - max) · v], unnormalised, a chunk with nothing visible
-// writing max -inf (attention_merge_kernel finishes). Lane l holds elements l, l + 32,
+// writing max -inf, and the last of a (KV head, tile, sequence)'s blocks to finish merges them (merge_partials),
+// counting arrivals in arrivals (sequences, n_kv_heads · tiles), zero before the launch and after it. Lane l
+// holds elements l, l + 32,
 // ... < 32 · kElements of a row (kElements = 1, 2, 4, 8 for head_dim up to 32, 64, 128, 256: registers for
 // what the head needs, not for the largest head). Grid (n_kv_heads · tiles, splits, sequences), block
 // kDecodeWarps · 32.
 constexpr int kMaxTile = 4;
 constexpr int kRowsInFlight = 4;
 constexpr int kDecodeWarps = 4;
+// The arrival counters a backend holds for split decoding: a launch's blocks (x, z), KV heads · tiles by
+// sequences, up to 256 query heads at a batch's kMaxBatchSequences (64 KB).
+constexpr std::size_t kArrivalCounters = 256 * kMaxBatchSequences;
 
 // Decoding's chunks: kRowsPerSplit rows each (four rounds of a block's warps, kRowsInFlight rows each), more
 // where a view would need more than kMaxSplits of them: the merge reads every chunk's partial, and at 16,384
@@ -520,10 +525,30 @@ struct DecodeViews {
   KvView view[kViews];
 };
 
+// out (head_dim) = one head's chunks' partial softmaxes (splits, 2 + head_dim) merged: each rescaled by exp(its max -
+// the largest max), summed, divided by the summed totals (0 where no row was visible, as attention_kernel). The
+// calling block's threads stride over head_dim.
+__device__ void merge_partials(float* out, const float* head, int splits, int head_dim) {
+  float max = -INFINITY, total = 0.0f;
+  for (int s = 0; s < splits; ++s) max = fmaxf(max, head[std::size_t(s) * (2 + head_dim)]);
+  for (int s = 0; s < splits; ++s) {
+    const float* partial = head + std::size_t(s) * (2 + head_dim);
+    if (partial[0] != -INFINITY) total += partial[1] * expf(partial[0] - max);
+  }
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float o = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float* partial = head + std::size_t(s) * (2 + head_dim);
+      if (partial[0] != -INFINITY) o += partial[2 + d] * expf(partial[0] - max);
+    }
+    out[d] = total > 0.0f ? o / total : 0.0f;
+  }
+}
+
 template <int kElements, int kViews>
 __global__ void __launch_bounds__(kDecodeWarps * kWarp)
-    attention_decode_kernel(float* out, float* partials, const float* q, const int* positions, DecodeViews<kViews> views,
-                            int n_heads, int group, int tile, int head_dim) {
+    attention_decode_kernel(float* out, float* partials, unsigned* arrivals, const float* q, const int* positions,
+                            DecodeViews<kViews> views, int n_heads, int group, int tile, int head_dim) {
   KVS_WAIT_FOR_PREVIOUS_KERNEL();
   __shared__ WarpPartials<kDecodeWarps, kMaxTile> parts;
   const int sequence = blockIdx.z;
@@ -601,29 +626,28 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
       else out[h * head_dim + d] = block.total > 0.0f ? o / block.total : 0.0f;  // 0: nothing visible
     }
   }
-}
-
-// out (sequences, n_heads · head_dim) = the chunks' partial softmaxes merged: each rescaled by exp(its max - the
-// largest max), summed, divided by the summed totals (0 where no row was visible, as attention_kernel).
-// Grid (n_heads, sequences), block 128 (any size): block (h, z) merges head h of sequence z, its threads
-// stride over head_dim.
-__global__ void attention_merge_kernel(float* out, const float* partials, int splits, int head_dim) {
-  KVS_WAIT_FOR_PREVIOUS_KERNEL();
-  const std::size_t h = std::size_t(blockIdx.y) * gridDim.x + blockIdx.x;  // the head's row of out
-  const float* head = partials + h * splits * (2 + head_dim);
-  float max = -INFINITY, total = 0.0f;
-  for (int s = 0; s < splits; ++s) max = fmaxf(max, head[std::size_t(s) * (2 + head_dim)]);
-  for (int s = 0; s < splits; ++s) {
-    const float* partial = head + std::size_t(s) * (2 + head_dim);
-    if (partial[0] != -INFINITY) total += partial[1] * expf(partial[0] - max);
+  if (!partials) return;
+  // Split: the block of (x, sequence) that finishes last merges the chunks' partials, instead of a merge kernel
+  // launched after this one (a launch costs more than a merge's work). CUDA's last-block pattern (the programming
+  // guide's __threadfence() example): every thread's partial made visible to the other blocks, then the block's
+  // arrival counted; the block that counts the last arrival fences again before it reads the others' partials,
+  // and sets the count back to 0 for the next launch (a replayed graph's too: nothing else clears it).
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* arrived = arrivals + std::size_t(sequence) * gridDim.x + blockIdx.x;
+    last = atomicAdd(arrived, 1u) == unsigned(splits - 1);
+    if (last) *arrived = 0;  // every other block of (x, sequence) has counted itself: none reads it again
   }
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float o = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-      const float* partial = head + std::size_t(s) * (2 + head_dim);
-      if (partial[0] != -INFINITY) o += partial[2 + d] * expf(partial[0] - max);
-    }
-    out[h * head_dim + d] = total > 0.0f ? o / total : 0.0f;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  KVS_UNROLL
+  for (int t = 0; t < kMaxTile; ++t) {
+    if (t >= tile) break;
+    const std::size_t h = std::size_t(sequence) * n_heads + first_head + t;
+    merge_partials(out + h * head_dim, partials + h * splits * (2 + head_dim), splits, head_dim);
   }
 }
 
@@ -946,8 +970,11 @@ class CudaBackend final : public Backend {
                                           static_cast<int>(attention_tiled_shared_bytes(128))));
       tiled_max_head_dim_ = 128;
     }
+    arrivals_ = static_cast<unsigned*>(allocate_bytes(kArrivalCounters * sizeof(unsigned)));
+    KVS_CUDA_CHECK(cudaMemset(arrivals_, 0, kArrivalCounters * sizeof(unsigned)));  // the kernel leaves them 0
   }
   ~CudaBackend() override {
+    cudaFree(arrivals_);
     if (graph_) cudaGraphExecDestroy(graph_);
     for (float* w : weights_) cudaFree(w);
     cudaStreamDestroy(stream_);
@@ -1090,8 +1117,8 @@ class CudaBackend final : public Backend {
                kv, shape.n_heads, group, shape.head_dim);
   }
   // A decode step of several sequences (every part one query; chapter 08): one launch of the decoding kernel
-  // for up to kMaxBatchSequences sequences (and one merge) instead of one or two per sequence - at batch 64 a layer
-  // would otherwise launch up to 128 kernels of a few blocks each, where a launch costs more than its work.
+  // for up to kMaxBatchSequences sequences instead of one per sequence - at batch 64 a layer would otherwise
+  // launch 64 kernels of a few blocks each, where a launch costs more than its work.
   // Anything else (a prefill chunk in the batch) takes the definition, a call per part.
   void attention_batch(float* out, const float* q, const int* positions, std::span<const AttentionPart> parts,
                        const AttentionShape& shape, std::span<float> scratch) override {
@@ -1118,25 +1145,27 @@ class CudaBackend final : public Backend {
     }
   }
   // The decoding kernel over `sequences` views (one query each, rows of q and out one after another) in
-  // `splits` chunks of rows at most, then the merge where there is more than one: one block per (KV head,
-  // tile of its query heads, chunk, sequence).
+  // `splits` chunks of rows at most, merged by the last block of each (KV head, tile) where there is more than
+  // one: one block per (KV head, tile of its query heads, chunk, sequence), one launch.
   template <int kViews>
   void decode(float* out, const float* q, const int* positions, const DecodeViews<kViews>& views, int sequences,
               int splits, const AttentionShape& shape, float* scratch) {
     const int group = shape.n_heads / shape.n_kv_heads, tile = decode_tile(group);
     float* partials = splits > 1 ? scratch : nullptr;
     const dim3 grid(shape.n_kv_heads * (group / tile), splits, sequences), block(kDecodeWarps * kWarp);
-#define KVS_DECODE(elements)                                                                                   \
-  KVS_LAUNCH((attention_decode_kernel<elements, kViews>), grid, block, 0, queue_, out, partials, q, positions, views, \
-             shape.n_heads, group, tile, shape.head_dim)
+    if (partials && std::size_t(grid.x) * grid.z > kArrivalCounters)
+      throw std::invalid_argument("attention: " + std::to_string(shape.n_heads) + " query heads x " +
+                                  std::to_string(sequences) + " sequences in one decoding launch; the CUDA backend "
+                                  "merges split chunks for at most " + std::to_string(kArrivalCounters) +
+                                  " (query heads / " + std::to_string(tile) + " x sequences): decode fewer sequences at once");
+#define KVS_DECODE(elements)                                                                                  \
+  KVS_LAUNCH((attention_decode_kernel<elements, kViews>), grid, block, 0, queue_, out, partials, arrivals_, q, \
+             positions, views, shape.n_heads, group, tile, shape.head_dim)
     if (shape.head_dim <= kWarp) KVS_DECODE(1);
     else if (shape.head_dim <= 2 * kWarp) KVS_DECODE(2);
     else if (shape.head_dim <= 4 * kWarp) KVS_DECODE(4);
     else KVS_DECODE(8);
 #undef KVS_DECODE
-    if (partials)
-      KVS_LAUNCH(attention_merge_kernel, dim3(shape.n_heads, sequences), dim3(128), 0, queue_, out, partials, splits,
-                 shape.head_dim);
   }
   // The fused operations (backend.h) as one gemv_kernel launch each for calls of up to gemv_max_tokens_ tokens;
   // larger calls (prefill) take the definition: cuBLAS's products and the small kernels.
@@ -1282,6 +1311,8 @@ class CudaBackend final : public Backend {
   int recordings_ = 0;
   int recorded_launches_ = 0;
   int tiled_max_head_dim_ = 32;  // the largest head the tiled prefill attention takes on this device
+  // attention_decode_kernel's arrival counts (grid x · z of a split launch), zero between launches.
+  unsigned* arrivals_ = nullptr;
 };
 
 }  // namespace

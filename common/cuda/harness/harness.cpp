@@ -161,15 +161,20 @@ class Scheduler {
            std::to_string(kMaxDynamicShared) + ")");
     gridDim = grid;
     blockDim = block;
-    for (unsigned z = 0; z < grid.z; ++z)
-      for (unsigned y = 0; y < grid.y; ++y)
-        for (unsigned x = 0; x < grid.x; ++x) {
-          blockIdx = uint3{x, y, z};
-          // Fresh bytes per block, NaN when read as floats: shared memory starts undefined on a GPU.
-          shared_.reset(dynamic_shared ? new unsigned char[dynamic_shared] : nullptr);
-          if (dynamic_shared) std::memset(shared_.get(), 0xff, dynamic_shared);
-          run_block(static_cast<int>(threads), body);
-        }
+    // The blocks in the threads' order too: a GPU runs them in any order, and a kernel whose blocks meet (the
+    // last to finish doing more, attention_decode_kernel's merge) must work whichever comes last.
+    const unsigned blocks = grid.x * grid.y * grid.z;
+    std::vector<unsigned> order(blocks);
+    std::iota(order.begin(), order.end(), 0u);
+    if (order_ == Order::kReverse) std::reverse(order.begin(), order.end());
+    if (order_ == Order::kRandom) std::shuffle(order.begin(), order.end(), random_);
+    for (const unsigned b : order) {
+      blockIdx = uint3{b % grid.x, b / grid.x % grid.y, b / (grid.x * grid.y)};
+      // Fresh bytes per block, NaN when read as floats: shared memory starts undefined on a GPU.
+      shared_.reset(dynamic_shared ? new unsigned char[dynamic_shared] : nullptr);
+      if (dynamic_shared) std::memset(shared_.get(), 0xff, dynamic_shared);
+      run_block(static_cast<int>(threads), body);
+    }
     shared_.reset();
   }
 
