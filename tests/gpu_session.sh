@@ -4,8 +4,10 @@
 # (KVS_PROGRAMMATIC_LAUNCH=0); the test suite with the GPU present; compute-sanitizer on the kernel tests.
 # Usage, from the repository root on the GPU machine:
 #   bash tests/gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]
-# STEPS: a comma-separated subset of build,ab,test,sanitize,chapters,transcripts, run in that order (default: all
-# but transcripts; chapters: the batch throughput of chapter 08 and the formats' speed of chapter 10 on the GPU).
+# STEPS: a comma-separated subset of build,ab,test,sanitize,profile,chapters,transcripts, run in that order
+# (default: all but transcripts; profile: the synthetic model's decode kernels under Nsight Compute, each one's
+# time and DRAM bytes, in profile.md; chapters: the batch throughput of chapter 08 and the formats' speed of
+# chapter 10 on the GPU).
 # The A/B comes right after the build: a call stopped at its time limit has the measurements first.
 # Header-only dependencies the machine lacks (Eigen, doctest) may be given as a prefix in .deps/ (CMake config
 # files included); a base tree (git archive of an older commit) as BASE_SOURCE_DIR. tests/gpu_prepare.sh COMMIT
@@ -15,12 +17,13 @@
 # of it and the archive in it, `GPU_SESSION_ARCHIVE=$OUT/s.tgz bash tests/gpu_session.sh /tmp/s .ab/base STEPS`.
 # A device call stops at 600 s, and a session has 15 minutes of device time, the machine's start included: build,
 # test, sanitize and ab took 446 s in the 2026-11-23 call (before chapters existed). So one call, timeout 600,
-# steps build,ab,test,sanitize; chapters and transcripts only in a second call where time is left (the build step
-# rebuilds only what is missing, everything where the machine was handed back in between).
+# steps build,ab,test,sanitize,profile (profile last: a call stopped at its limit loses only it); chapters and
+# transcripts only in a second call where time is left (the build step rebuilds only what is missing, everything
+# where the machine was handed back in between).
 set -uo pipefail
 out=${1:?usage: gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]}
 base=${2:-}
-steps=${3:-build,ab,test,sanitize,chapters}
+steps=${3:-build,ab,test,sanitize,profile,chapters}
 mkdir -p "$out"
 has() { [[ ",$steps," == *",$1,"* ]]; }
 # After each step: its seconds, and the archive rewritten, so that a call stopped at its time limit still
@@ -92,6 +95,26 @@ if has sanitize; then
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY' "$out/sanitizer_$tool.log") summaries: $(grep 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' '))"
   done
   step_done sanitize
+fi
+if has profile; then
+  # The synthetic model's decode kernels one by one under Nsight Compute: each kernel's own time and the bytes it
+  # reads from DRAM, against the ~3 TB/s a step could reach - which kernels keep a step from its bandwidth
+  # (book 07; tests/gpu_kernel_profile.py makes the table). Two steps' 230 launches of the project's kernels from
+  # the 600th on: past the prefill's 34 and into the first run's decode steps (8 new tokens: 34 + 7 x 115).
+  # --clock-control none: the clocks as they are (the device tool's METHOD.md).
+  if command -v ncu >/dev/null; then
+    ncu --clock-control none --csv --page raw --print-units base --log-file "$out/profile_ncu.csv" \
+      --kernel-name regex:'^(embed|rope_table|rmsnorm|rope|write|attention|gemv|swiglu|add)_' \
+      --launch-skip 600 --launch-count 230 \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
+      build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown \
+      --lengths 4096 --max-new-tokens 8 >"$out/profile_run.log" 2>&1
+    echo "ncu: exit $?"
+    python3 tests/gpu_kernel_profile.py "$out/profile_ncu.csv" >"$out/profile.md" 2>&1; cat "$out/profile.md"
+  else
+    echo "ncu is not on the PATH: no kernel profile"
+  fi
+  step_done profile
 fi
 if has chapters; then
   build/release/bin/08_paged_batching --backend cuda --experiment throughput --csv "$out/batch_throughput_gpu.csv" \
