@@ -99,13 +99,14 @@ fi
 if has profile; then
   # The synthetic model's decode kernels one by one under Nsight Compute: each kernel's own time and the bytes it
   # reads from DRAM, against the ~3 TB/s a step could reach - which kernels keep a step from its bandwidth
-  # (book 07; tests/gpu_kernel_profile.py makes the table). Two steps' 230 launches of the project's kernels from
-  # the 600th on: past the prefill's 34 and into the first run's decode steps (8 new tokens: 34 + 7 x 115).
+  # (book 07; tests/gpu_kernel_profile.py makes the table). Two steps' 198 launches of the project's kernels
+  # (99 a step) from the 400th on: past the warm-up's prefill at 4,096 positions (163: 10 a layer, cuBLAS's
+  # products not counted, and 3) and within its 7 decode steps (163 + 7 x 99 = 856).
   # --clock-control none: the clocks as they are (the device tool's METHOD.md).
   if command -v ncu >/dev/null; then
     ncu --clock-control none --csv --page raw --print-units base --log-file "$out/profile_ncu.csv" \
       --kernel-name regex:'^(embed|rope_table|rmsnorm|rope|write|attention|gemv|swiglu|add)_' \
-      --launch-skip 600 --launch-count 230 \
+      --launch-skip 400 --launch-count 198 \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
       build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown \
       --lengths 4096 --max-new-tokens 8 >"$out/profile_run.log" 2>&1
