@@ -11,7 +11,8 @@ graph step also pays, and a kernel's inputs come from DRAM even where a real ste
 
 One row per kernel (template arguments kept, parameters dropped) and grid: launches, mean µs, MB read from DRAM
 per launch, its rate (GB/s: bytes read over the kernel's own time, to set against the copy bandwidth the
-benchmark measures), and its share of the kernels' summed time. Below it, per decode step (a step launches
+benchmark measures), its share of the kernels' summed time, and where ncu measured them, registers per thread
+and the warps active on a multiprocessor as a share of its most (achieved occupancy). Below it, per decode step (a step launches
 embed_kernel once): the kernels' summed time and DRAM bytes, the step's floor without launch gaps.
 Standard library only: the GPU machine has python3 and nothing to install.
 """
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 TIME, READ = "gpu__time_duration.sum", "dram__bytes_read.sum"
+REGISTERS, OCCUPANCY = "launch__registers_per_thread", "sm__warps_active.avg.pct_of_peak_sustained_active"  # optional
 SCALE = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,  # to µs
          "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}           # to bytes
 
@@ -30,7 +32,8 @@ def number(text, unit):
 
 
 def read_launches(path: Path):
-    """[(kernel, grid, µs, bytes read)] in launch order."""
+    """[(kernel, grid, µs, bytes read, registers per thread, achieved occupancy %)] in launch order (None for
+    an optional metric ncu was not asked for)."""
     lines = [line for line in path.read_text(errors="replace").splitlines() if line.startswith('"')]
     rows = list(csv.reader(lines))
     if not rows:
@@ -39,15 +42,18 @@ def read_launches(path: Path):
     for needed in ("Kernel Name", "Grid Size", TIME, READ):
         if needed not in header:
             raise ValueError(f"{path}: no column {needed!r} (was ncu given --csv --page raw and --metrics {TIME},{READ}?)")
-    at = {name: header.index(name) for name in ("ID", "Kernel Name", "Grid Size", TIME, READ) if name in header}
+    at = {name: header.index(name) for name in ("ID", "Kernel Name", "Grid Size", TIME, READ, REGISTERS, OCCUPANCY)
+          if name in header}
     units = {}
     if rows and "ID" in at and rows[0][at["ID"]] == "":  # the units row
         units = {name: rows[0][i] for name, i in at.items()}
         rows = rows[1:]
     launches = []
+    optional = lambda r, name: number(r[at[name]], "") if name in at and r[at[name]].strip() else None
     for r in rows:
         launches.append((short_name(r[at["Kernel Name"]]), r[at["Grid Size"]].strip(),
-                         number(r[at[TIME]], units.get(TIME, "nsecond")), number(r[at[READ]], units.get(READ, "byte"))))
+                         number(r[at[TIME]], units.get(TIME, "nsecond")), number(r[at[READ]], units.get(READ, "byte")),
+                         optional(r, REGISTERS), optional(r, OCCUPANCY)))
     return launches
 
 
@@ -73,21 +79,27 @@ def report(launches):
     # (kernel, grid, bytes of its first launch) -> [µs, ...], [bytes, ...]. Launches of one kernel and grid that
     # read different amounts are different products (Wo's and W2's adds: 16.8 and 46.1 MB in the synthetic model).
     groups = {}
-    for name, grid, us, read in launches:
+    for name, grid, us, read, registers, occupancy in launches:
         key = next((k for k in groups if k[:2] == (name, grid) and abs(read - k[2]) <= 0.1 * max(read, k[2])),
                    (name, grid, read))
-        g = groups.setdefault(key, ([], []))
+        g = groups.setdefault(key, ([], [], [], []))
         g[0].append(us)
         g[1].append(read)
-    total_us = sum(us for _, _, us, _ in launches)
-    lines = ["| kernel | grid | launches | µs each | MB read each | GB/s | share of time |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for (name, grid, _), (times, reads) in sorted(groups.items(), key=lambda kv: -sum(kv[1][0])):
+        if registers is not None:
+            g[2].append(registers)
+        if occupancy is not None:
+            g[3].append(occupancy)
+    total_us = sum(launch[2] for launch in launches)
+    mean = lambda values, form: form.format(sum(values) / len(values)) if values else "-"
+    lines = ["| kernel | grid | launches | µs each | MB read each | GB/s | share of time | registers | warps active |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for (name, grid, _), (times, reads, registers, occupancy) in sorted(groups.items(), key=lambda kv: -sum(kv[1][0])):
         us, read = sum(times) / len(times), sum(reads) / len(reads)
         lines.append(f"| `{name}` | {grid} | {len(times)} | {us:.1f} | {read / 1e6:.2f} | "
-                     f"{read / us / 1e3 if us > 0 else 0:.0f} | {100 * sum(times) / total_us:.1f}% |")
-    steps = sum(1 for name, *_ in launches if name.startswith("embed_kernel"))
-    total_read = sum(read for *_, read in launches)
+                     f"{read / us / 1e3 if us > 0 else 0:.0f} | {100 * sum(times) / total_us:.1f}% | "
+                     f"{mean(registers, '{:.0f}')} | {mean(occupancy, '{:.0f}%')} |")
+    steps = sum(1 for launch in launches if launch[0].startswith("embed_kernel"))
+    total_read = sum(launch[3] for launch in launches)
     lines.append("")
     if steps:
         lines.append(f"Per decode step ({steps} profiled, {len(launches) / steps:.1f} launches each): kernels "
