@@ -28,7 +28,17 @@ SCALE = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,  # to Â
 
 
 def number(text, unit):
-    return float(text.replace(",", "")) * SCALE.get(unit, 1.0)
+    if unit not in SCALE:
+        raise ValueError(f"a unit this script does not know: {unit!r} (was ncu given --print-units base?)")
+    return float(text.replace(",", "")) * SCALE[unit]
+
+
+def optional_number(text):
+    """A metric that may be missing or 'n/a': None then."""
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
 
 
 def read_launches(path: Path):
@@ -49,7 +59,7 @@ def read_launches(path: Path):
         units = {name: rows[0][i] for name, i in at.items()}
         rows = rows[1:]
     launches = []
-    optional = lambda r, name: number(r[at[name]], "") if name in at and r[at[name]].strip() else None
+    optional = lambda r, name: optional_number(r[at[name]]) if name in at else None
     for r in rows:
         launches.append((short_name(r[at["Kernel Name"]]), r[at["Grid Size"]].strip(),
                          number(r[at[TIME]], units.get(TIME, "nsecond")), number(r[at[READ]], units.get(READ, "byte")),

@@ -100,12 +100,12 @@ if has profile; then
   # The synthetic model's decode kernels one by one under Nsight Compute: each kernel's own time and the bytes it
   # reads from DRAM, against the ~3 TB/s a step could reach - which kernels keep a step from its bandwidth
   # (book 07; tests/gpu_kernel_profile.py makes the table). Two steps' 198 launches of the project's kernels
-  # (99 a step) from the 400th on: past the warm-up's prefill at 4,096 positions (163: 10 a layer, cuBLAS's
+  # (99 a step) after the first 400: past the warm-up's prefill at 4,096 positions (163: 10 a layer, cuBLAS's
   # products not counted, and 3) and within its 7 decode steps (163 + 7 x 99 = 856).
-  # --clock-control none: the clocks as they are (the device tool's METHOD.md).
+  # --clock-control none: the clocks as the GPU sets them (ncu otherwise locks them to base, slower than a run).
   if command -v ncu >/dev/null; then
     ncu --clock-control none --csv --page raw --print-units base --log-file "$out/profile_ncu.csv" \
-      --kernel-name regex:'^(embed|rope_table|rmsnorm|rope|write|attention|gemv|swiglu|add)_' \
+      --kernel-name regex:'^(embed|rmsnorm|rope|write|attention|gemv|swiglu|add)_' \
       --launch-skip 400 --launch-count 198 \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
       build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown \

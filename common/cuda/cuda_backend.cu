@@ -194,7 +194,7 @@ __global__ void rope_kernel(float* x, const float* table, int n, int heads, int 
 //     the block serves every query head that reads that KV head (GQA: each row read once, not once per
 //     query head), and each warp loads several rows before it uses any (a row at a time left each warp
 //     waiting out a memory latency per row). The last block of a KV head to finish merges the chunks'
-//     partial softmaxes (a second kernel did until version 4). Measured on an H100, book/07.
+//     partial softmaxes (a second kernel did, in every version measured so far). Measured on an H100, book/07.
 constexpr int kMaxAttentionWarps = 16;
 constexpr int kMaxHeadDim = 256;
 constexpr int kPerLane = kMaxHeadDim / kWarp;
@@ -527,7 +527,8 @@ struct DecodeViews {
 
 // out (head_dim) = one head's chunks' partial softmaxes (splits, 2 + head_dim) merged: each rescaled by exp(its max -
 // the largest max), summed, divided by the summed totals (0 where no row was visible, as attention_kernel). The
-// calling block's threads stride over head_dim.
+// calling block's threads stride over head_dim. `head` was written by other blocks of the same launch: plain
+// loads, never __ldg or a __restrict__ on it (the read-only path may not see another block's writes).
 __device__ void merge_partials(float* out, const float* head, int splits, int head_dim) {
   float max = -INFINITY, total = 0.0f;
   for (int s = 0; s < splits; ++s) max = fmaxf(max, head[std::size_t(s) * (2 + head_dim)]);
@@ -629,9 +630,9 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   if (!partials) return;
   // Split: the block of (x, sequence) that finishes last merges the chunks' partials, instead of a merge kernel
   // launched after this one (a launch costs more than a merge's work). CUDA's last-block pattern (the programming
-  // guide's __threadfence() example): every thread's partial made visible to the other blocks, then the block's
-  // arrival counted; the block that counts the last arrival fences again before it reads the others' partials,
-  // and sets the count back to 0 for the next launch (a replayed graph's too: nothing else clears it).
+  // guide's __threadfence() example): every thread's partial writes ordered before the block's arrival is
+  // counted; the block that counts the last arrival fences again before it reads the others' partials, and sets
+  // the count back to 0 for the next launch (a replayed graph's too: nothing else clears it).
   __shared__ bool last;
   __threadfence();
   __syncthreads();
@@ -971,7 +972,9 @@ class CudaBackend final : public Backend {
       tiled_max_head_dim_ = 128;
     }
     arrivals_ = static_cast<unsigned*>(allocate_bytes(kArrivalCounters * sizeof(unsigned)));
-    KVS_CUDA_CHECK(cudaMemset(arrivals_, 0, kArrivalCounters * sizeof(unsigned)));  // the kernel leaves them 0
+    // On the backend's stream, so that it is done before the first launch (a plain cudaMemset goes on the legacy
+    // default stream, which a non-blocking stream does not wait for); the kernel leaves them 0.
+    KVS_CUDA_CHECK(cudaMemsetAsync(arrivals_, 0, kArrivalCounters * sizeof(unsigned), stream_));
   }
   ~CudaBackend() override {
     cudaFree(arrivals_);
@@ -1145,8 +1148,8 @@ class CudaBackend final : public Backend {
     }
   }
   // The decoding kernel over `sequences` views (one query each, rows of q and out one after another) in
-  // `splits` chunks of rows at most, merged by the last block of each (KV head, tile) where there is more than
-  // one: one block per (KV head, tile of its query heads, chunk, sequence), one launch.
+  // `splits` chunks of rows at most, merged by the last block of each (KV head, tile, sequence) where there is
+  // more than one: one block per (KV head, tile of its query heads, chunk, sequence), one launch.
   template <int kViews>
   void decode(float* out, const float* q, const int* positions, const DecodeViews<kViews>& views, int sequences,
               int splits, const AttentionShape& shape, float* scratch) {

@@ -3,8 +3,8 @@
 // that kernels really execute on machines without a GPU (CI, most readers) and under AddressSanitizer.
 //
 // What it models:
-//   - a launch runs every block of the grid, one block after another (in the thread order's order: sequential,
-//     reverse or shuffled, as a GPU promises none); each thread of a block is a
+//   - a launch runs every block of the grid, one block after another (in order, in reverse or shuffled, as
+//     KVS_CUDA_HARNESS_ORDER says below: a GPU promises no order); each thread of a block is a
 //     user-space context (Boost.Context fibers) on one OS thread, so __syncthreads() and the warp
 //     operations have their real semantics: a thread stops there until the others arrive;
 //   - threadIdx / blockIdx / blockDim / gridDim; static __shared__ memory (one copy per kernel, which is
@@ -25,9 +25,9 @@
 // threads of the block never reach (they exited or wait elsewhere), a warp operation that a lane of its mask
 // never joins or joins with another mask, a shuffle reading a lane outside its mask. A deadlock is reported,
 // never a hang.
-// KVS_CUDA_HARNESS_ORDER=sequential (default) | reverse | random:SEED sets the order in which the threads
-// of a block run between two synchronisation points: a missing barrier shows as a wrong result under
-// some order.
+// KVS_CUDA_HARNESS_ORDER=sequential (default) | reverse | random:SEED sets the order in which a launch's
+// blocks run, and the threads of a block between two synchronisation points: a missing barrier shows as a
+// wrong result under some order, and so does a kernel that expects a certain block to finish last.
 //
 // What it does not model: separate host and device memory (a host pointer passed to a kernel works here
 // and faults on a GPU), asynchronous streams and events (everything runs at the call, in order), any
@@ -227,6 +227,7 @@ cudaError_t cudaFree(void* pointer);
 cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind);
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, cudaStream_t stream = nullptr);
 cudaError_t cudaMemset(void* dst, int value, std::size_t bytes);
+cudaError_t cudaMemsetAsync(void* dst, int value, std::size_t bytes, cudaStream_t stream = nullptr);
 cudaError_t cudaDeviceSynchronize();
 cudaError_t cudaStreamSynchronize(cudaStream_t stream);
 cudaError_t cudaGetLastError();

@@ -465,6 +465,12 @@ cudaError_t cudaMemset(void* dst, int value, std::size_t bytes) {
   if (bytes) std::memset(dst, value, bytes);
   return cudaSuccess;
 }
+cudaError_t cudaMemsetAsync(void* dst, int value, std::size_t bytes, cudaStream_t) {
+  kvs::cuda_harness::run_or_record([=] {
+    if (bytes) std::memset(dst, value, bytes);
+  });
+  return cudaSuccess;
+}
 cudaError_t cudaDeviceSynchronize() {
   return kvs::cuda_harness::capturing() ? cudaErrorStreamCaptureUnsupported : cudaSuccess;
 }
