@@ -525,25 +525,37 @@ struct DecodeViews {
   KvView view[kViews];
 };
 
-// out (head_dim) = one head's chunks' partial softmaxes (splits, 2 + head_dim) merged: each rescaled by exp(its max -
-// the largest max), summed, divided by the summed totals (0 where no row was visible, as attention_kernel). The
-// calling block's threads stride over head_dim. `head` was written by other blocks of the same launch: plain
-// loads, never __ldg or a __restrict__ on it (the read-only path may not see another block's writes).
-__device__ void merge_partials(float* out, const float* head, int splits, int head_dim) {
-  float max = -INFINITY, total = 0.0f;
-  for (int s = 0; s < splits; ++s) max = fmaxf(max, head[std::size_t(s) * (2 + head_dim)]);
+// out (head_dim) = one head's chunks' partial softmaxes (splits <= kMaxSplits, 2 + head_dim) merged by one warp:
+// each rescaled by exp(its max - the largest max), summed, divided by the summed totals (0 where no row was
+// visible, as attention_kernel). A chunk with nothing visible (max -inf) adds nothing. The lanes share out the
+// chunks to find the largest max and each chunk's weight (into `weight`, shared memory), then each lane adds
+// the chunks' values of its elements (lane + 32 j, as the decoding kernel holds them), chunk after chunk: every
+// sum in the order the merge kernel this replaces added it, so the same bits, and a warp per head where that
+// kernel took a block. `head` was written by other blocks of the same launch: plain loads, never __ldg or a
+// __restrict__ on it (the read-only path may not see another block's writes).
+template <int kElements>
+__device__ void merge_partials(float* out, const float* head, int splits, int head_dim, float (&weight)[kMaxSplits]) {
+  const int lane = threadIdx.x % kWarp, stride = 2 + head_dim;
+  float max = -INFINITY;
+  for (int s = lane; s < splits; s += kWarp) max = fmaxf(max, head[std::size_t(s) * stride]);
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) max = fmaxf(max, __shfl_xor_sync(kFullMask, max, offset));
+  for (int s = lane; s < splits; s += kWarp) {
+    const float chunk_max = head[std::size_t(s) * stride];
+    weight[s] = chunk_max == -INFINITY ? -1.0f : expf(chunk_max - max);  // -1: nothing visible in the chunk
+  }
+  __syncwarp();
+  float total = 0.0f, o[kElements] = {};
   for (int s = 0; s < splits; ++s) {
-    const float* partial = head + std::size_t(s) * (2 + head_dim);
-    if (partial[0] != -INFINITY) total += partial[1] * expf(partial[0] - max);
+    if (weight[s] < 0.0f) continue;
+    const float* partial = head + std::size_t(s) * stride;
+    total += partial[1] * weight[s];
+    KVS_UNROLL
+    for (int j = 0; j < kElements; ++j)
+      if (lane + j * kWarp < head_dim) o[j] += partial[2 + lane + j * kWarp] * weight[s];
   }
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float o = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-      const float* partial = head + std::size_t(s) * (2 + head_dim);
-      if (partial[0] != -INFINITY) o += partial[2 + d] * expf(partial[0] - max);
-    }
-    out[d] = total > 0.0f ? o / total : 0.0f;
-  }
+  KVS_UNROLL
+  for (int j = 0; j < kElements; ++j)
+    if (lane + j * kWarp < head_dim) out[lane + j * kWarp] = total > 0.0f ? o[j] / total : 0.0f;
 }
 
 template <int kElements, int kViews>
@@ -633,7 +645,9 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   // guide's __threadfence() example): every thread's partial writes ordered before the block's arrival is
   // counted; the block that counts the last arrival fences again before it reads the others' partials, and sets
   // the count back to 0 for the next launch (a replayed graph's too: nothing else clears it).
+  static_assert(kMaxTile <= kDecodeWarps, "the last block merges a head per warp");
   __shared__ bool last;
+  __shared__ float chunk_weight[kMaxTile][kMaxSplits];  // merge_partials' weights, a row per warp
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -644,11 +658,10 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   __syncthreads();
   if (!last) return;
   __threadfence();
-  KVS_UNROLL
-  for (int t = 0; t < kMaxTile; ++t) {
-    if (t >= tile) break;
-    const std::size_t h = std::size_t(sequence) * n_heads + first_head + t;
-    merge_partials(out + h * head_dim, partials + h * splits * (2 + head_dim), splits, head_dim);
+  if (warp < tile) {  // warp t merges the tile's head t
+    const std::size_t h = std::size_t(sequence) * n_heads + first_head + warp;
+    merge_partials<kElements>(out + h * head_dim, partials + h * splits * (2 + head_dim), splits, head_dim,
+                              chunk_weight[warp]);
   }
 }
 
