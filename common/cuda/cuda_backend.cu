@@ -647,7 +647,8 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   // the count back to 0 for the next launch (a replayed graph's too: nothing else clears it).
   static_assert(kMaxTile <= kDecodeWarps, "the last block merges a head per warp");
   __shared__ bool last;
-  __shared__ float chunk_weight[kMaxTile][kMaxSplits];  // merge_partials' weights, a row per warp
+  // merge_partials' chunk weights, a row per warp (decode_splits never gives more than kMaxSplits chunks)
+  __shared__ float chunk_weight[kMaxTile][kMaxSplits];
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
