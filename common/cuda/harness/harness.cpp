@@ -163,12 +163,11 @@ class Scheduler {
     blockDim = block;
     // The blocks in the threads' order too: a GPU runs them in any order, and a kernel whose blocks meet (the
     // last to finish doing more, attention_decode_kernel's merge) must work whichever comes last.
-    const unsigned blocks = grid.x * grid.y * grid.z;
-    std::vector<unsigned> order(blocks);
-    std::iota(order.begin(), order.end(), 0u);
-    if (order_ == Order::kReverse) std::reverse(order.begin(), order.end());
-    if (order_ == Order::kRandom) std::shuffle(order.begin(), order.end(), random_);
-    for (const unsigned b : order) {
+    block_order_.resize(std::size_t(grid.x) * grid.y * grid.z);  // kept between launches: no allocation per launch
+    std::iota(block_order_.begin(), block_order_.end(), 0u);
+    if (order_ == Order::kReverse) std::reverse(block_order_.begin(), block_order_.end());
+    if (order_ == Order::kRandom) std::shuffle(block_order_.begin(), block_order_.end(), random_);
+    for (const unsigned b : block_order_) {
       blockIdx = uint3{b % grid.x, b / grid.x % grid.y, b / (grid.x * grid.y)};
       // Fresh bytes per block, NaN when read as floats: shared memory starts undefined on a GPU.
       shared_.reset(dynamic_shared ? new unsigned char[dynamic_shared] : nullptr);
@@ -361,6 +360,7 @@ class Scheduler {
 
   const char* kernel_ = "";
   Order order_ = Order::kSequential;
+  std::vector<unsigned> block_order_;  // the launch's blocks, x fastest, in the order they run
   std::mt19937 random_;
   std::vector<Thread> threads_;
   int current_ = -1;
