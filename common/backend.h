@@ -134,9 +134,9 @@ class Backend {
   virtual void write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
                           int width) = 0;
   // A layer's cache write, keys and values alike: write_rows of k (n, width) into `keys`, then of v into `values`,
-  // the two with one stride, positions and ring - the definition, the default implementation. Fused like the
-  // operations of that name below, up to fused_tokens() rows: a GPU does both in one launch, since a decode
-  // step's write is two rows of a few hundred bytes and a launch costs more than its copy.
+  // the two with one stride, positions and ring - the definition, the default implementation. A GPU does both in
+  // one launch, since a decode step's write is two rows of a few hundred bytes and a launch costs more than its
+  // copy (a backend whose fused_tokens() is 0 runs the definition).
   virtual void write_key_value_rows(float* keys, float* values, int row_stride, const int* positions, Ring ring,
                                     const float* k, const float* v, int n, int width) {
     write_rows(keys, row_stride, positions, ring, k, n, width);

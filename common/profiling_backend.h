@@ -87,10 +87,10 @@ class ProfilingBackend final : public Backend {
                   int width) override {
     timed(OpKind::kOther, [&] { inner_.write_rows(rows, row_stride, positions, ring, src, n, width); });
   }
-  // Fused, like the products below: one operation where the inner backend fuses it, else two write_rows.
+  // One operation where the inner backend fuses at all (a GPU's one launch), else its definition: two write_rows.
   void write_key_value_rows(float* keys, float* values, int row_stride, const int* positions, Ring ring, const float* k,
                             const float* v, int n, int width) override {
-    if (n > inner_.fused_tokens())
+    if (inner_.fused_tokens() == 0)
       return Backend::write_key_value_rows(keys, values, row_stride, positions, ring, k, v, n, width);
     timed(OpKind::kOther, [&] { inner_.write_key_value_rows(keys, values, row_stride, positions, ring, k, v, n, width); });
   }

@@ -1222,9 +1222,9 @@ class CudaBackend final : public Backend {
       KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_,
                  RowSides{{rows, nullptr}, {src, nullptr}}, row_stride, positions, ring, width);
   }
+  // One launch for any number of rows (a (positions, 2) grid; a prefill's too).
   void write_key_value_rows(float* keys, float* values, int row_stride, const int* positions, Ring ring, const float* k,
                             const float* v, int n, int width) override {
-    if (n > fused_tokens()) return Backend::write_key_value_rows(keys, values, row_stride, positions, ring, k, v, n, width);
     if (n > 0)
       KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n), 2), dim3(kThreads), 0, queue_,
                  RowSides{{keys, values}, {k, v}}, row_stride, positions, ring, width);
