@@ -19,6 +19,9 @@ chapter 10: kv_channels.png (each layer's cached keys and values, mean |x| per c
 (held-out bits per byte against bytes per cached position, per format, at contexts 512 and 2048);
 decode_breakdown.png (where a decode step's time goes vs context, stacked, and the time reading the same bytes
 at the measured bandwidth would take).
+Chapter 07 (the GPU runs kept in plots/data/gpu/): gpu_decode_bandwidth.png (the synthetic model's graph-replayed
+decode step, its bytes over its time as a share of the copy bandwidth measured in the same run, per version of
+the kernels, against the 75% goal).
 Chapter 04 on the copying model (data/kjv-gpt-copy.bin; drawn when its CSVs exist): copy_recall_vs_window.png
 (recall against window over distance, W/d: every distance collapses at W = d), copy_what_fails_first.png
 (recall, topic and local fluency against window) and copy_induction_heads.png (per layer and head, the
@@ -65,7 +68,10 @@ def finish(fig, ax, xlabel, ylabel, title, filename, log=True, legend="best"):
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc=legend, fontsize="small")
+    if legend == "below":  # outside the axes, where no line runs
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize="x-small")
+    else:
+        ax.legend(loc=legend, fontsize="small")
     fig.tight_layout()
     fig.savefig(HERE / filename, dpi=120)
 
@@ -112,6 +118,8 @@ def main():
         copy_figures()
     break_figures()
     breakdown_figure()
+    if (DATA / "gpu").exists():
+        gpu_figure()
     print("wrote", ", ".join(p.name for p in sorted(HERE.glob("*.png"))))
 
 
@@ -235,6 +243,61 @@ def breakdown_figure():
     finish(fig, ax, "context (positions)", "ms per decode step",
            f"Where a decode step's time goes ({rows[0]['threads']} thread(s))", "decode_breakdown.png", log=False,
            legend="upper left")
+
+
+# Chapter 07's versions of the CUDA decode step, by the file its run wrote (plots/data/gpu/): a run kept under a
+# new name is drawn under its file name until it gets a line here. breakdown_h100_synthetic_cuda.csv is book 07's
+# transcript, rewritten whenever a GPU reruns it: drawn as the latest run unless it is one of the kept ones.
+GPU_VERSIONS = [
+    ("breakdown_h100_synthetic_cuda_unsplit.csv", "version 1: a block per query head"),
+    ("breakdown_h100_synthetic_cuda_split_v1.csv", "version 2: chunks of rows (flash-decoding)"),
+    ("breakdown_h100_synthetic_cuda_v3.csv", "version 3: each row read once, 4 in flight"),
+]
+GPU_TRANSCRIPT = "breakdown_h100_synthetic_cuda.csv"
+
+
+def fused_ab_points(path):
+    """Version 4's synthetic rows from the A/B summary (plots/data/gpu/fused_decode_ab_h100.txt; its CSVs did not
+    come back): (context, share of the limit) of the graph step, for each round of the newer build."""
+    points, newer = [], False
+    for line in path.read_text().splitlines():
+        if line.startswith("== "):
+            newer = line.rstrip().endswith("release")
+            continue
+        cols = line.split()
+        # context, mean, p50, p99, matmul, attention, other, ops, MB read, GB/s, limit, of limit, graph p50, ...
+        if newer and len(cols) >= 13 and not line.startswith("#") and int(cols[7]) > 100:  # the synthetic model's
+            mb, limit, graph_ms = float(cols[8]), float(cols[10]), float(cols[12])
+            points.append((int(cols[0]), 100 * mb / graph_ms / limit))  # MB / ms = GB/s
+    return points
+
+
+def gpu_figure():
+    gpu = DATA / "gpu"
+    fig, ax = plt.subplots(figsize=(6.4, 5.0))
+    known = {name for name, _ in GPU_VERSIONS} | {GPU_TRANSCRIPT}
+    runs = GPU_VERSIONS + [(p.name, p.stem) for p in sorted(gpu.glob("breakdown_*_synthetic_cuda*.csv")) if p.name not in known]
+    kept = [(gpu / name).read_bytes() for name, _ in runs if (gpu / name).exists()]
+    if (gpu / GPU_TRANSCRIPT).exists() and (gpu / GPU_TRANSCRIPT).read_bytes() not in kept:
+        runs.append((GPU_TRANSCRIPT, "book 07's transcript (the latest run)"))
+    for name, label in runs:
+        if not (gpu / name).exists():
+            continue
+        rows = read(f"gpu/{name}")
+        share = [100 * (int(r["weight_bytes"]) + int(r["kv_bytes"])) / (float(r["graph_ms_p50"]) * 1e6) /
+                 float(r["limit_gbs"]) for r in rows]
+        ax.plot([int(r["prompt_tokens"]) for r in rows], share, marker="o", label=label)
+    ab = gpu / "fused_decode_ab_h100.txt"
+    if ab.exists():
+        points = fused_ab_points(ab)
+        ax.plot([x for x, _ in points], [y for _, y in points], ls="none", marker="D", color="black",
+                label="version 4: fused products (two rounds)")
+    ax.axhline(75, color="gray", ls="--", lw=1, label="goal: 75% of the copy bandwidth")
+    ax.set_ylim(0, 100)
+    ax.set_xscale("log", base=2)
+    finish(fig, ax, "context (positions)", "bytes read / graph step time, % of copy bandwidth",
+           "H100, synthetic 2048/16/16/4: a decode step against the memory", "gpu_decode_bandwidth.png", log=False,
+           legend="below")
 
 
 def break_figures():

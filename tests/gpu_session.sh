@@ -100,8 +100,9 @@ if has profile; then
   # The synthetic model's decode kernels one by one under Nsight Compute: each kernel's own time and the bytes it
   # reads from DRAM, against the ~3 TB/s a step could reach - which kernels keep a step from its bandwidth
   # (book 07; tests/gpu_kernel_profile.py makes the table). Two steps' 198 launches of the project's kernels
-  # (99 a step) after the first 400: past the warm-up's prefill at 4,096 positions (163: 10 a layer, cuBLAS's
-  # products not counted, and 3) and within its 7 decode steps (163 + 7 x 99 = 856).
+  # (99 a step) after the first 400: past the warm-up's prefill at 4,096 positions (147: 9 a layer, cuBLAS's
+  # products not counted, and 3) and within its 7 decode steps (147 + 7 x 99 = 840); 198 consecutive launches
+  # hold each of a step's 99 twice.
   # --clock-control none: the clocks as the GPU sets them (ncu otherwise locks them to base, slower than a run).
   if command -v ncu >/dev/null; then
     ncu --clock-control none --csv --page raw --print-units base --log-file "$out/profile_ncu.csv" \

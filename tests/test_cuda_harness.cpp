@@ -173,10 +173,12 @@ TEST_CASE("cuda harness: a warp reduction with the full mask sums 32 lanes") {
   for (float s : d_out.host()) CHECK(s == 496.0f);
 }
 
+// A kernel's error after its wait for the kernel before surfaces when it finishes, at the next call that
+// synchronises (the last launch stays pending, harness/cuda_runtime_harness.h), as a GPU reports it then.
 TEST_CASE("cuda harness: a shuffle whose mask leaves out calling lanes is reported, naming the kernel") {
   DeviceArray<float> d_in(32), d_out(32);
   KVS_CUDA_CHECK(cudaMemset(d_in.p, 0, sizeof(float) * 32));
-  CHECK_THROWS_WITH_AS(KVS_LAUNCH(warp_sum, dim3(1), dim3(32), 0, nullptr, d_out.p, d_in.p, 0x0000ffffu),
+  CHECK_THROWS_WITH_AS((KVS_LAUNCH(warp_sum, dim3(1), dim3(32), 0, nullptr, d_out.p, d_in.p, 0x0000ffffu), cudaDeviceSynchronize()),
                        doctest::Contains("kernel warp_sum: thread (16,0,0) of block (0,0,0) calls a shuffle with mask "
                                          "0x0000ffff, which leaves out its own lane 16"),
                        std::runtime_error);
@@ -184,13 +186,13 @@ TEST_CASE("cuda harness: a shuffle whose mask leaves out calling lanes is report
 
 TEST_CASE("cuda harness: a shuffle that some lanes of its mask never reach is reported, not a hang") {
   DeviceArray<float> d_out(32);
-  CHECK_THROWS_WITH_AS(KVS_LAUNCH(divergent_shuffle, dim3(1), dim3(32), 0, nullptr, d_out.p),
+  CHECK_THROWS_WITH_AS((KVS_LAUNCH(divergent_shuffle, dim3(1), dim3(32), 0, nullptr, d_out.p), cudaDeviceSynchronize()),
                        doctest::Contains("for lane 16, which is exited"), std::runtime_error);
 }
 
 TEST_CASE("cuda harness: a barrier some threads skip is reported, not a hang") {
   DeviceArray<float> d_out(128);
-  CHECK_THROWS_WITH_AS(KVS_LAUNCH(barrier_in_branch, dim3(1), dim3(128), 0, nullptr, d_out.p),
+  CHECK_THROWS_WITH_AS((KVS_LAUNCH(barrier_in_branch, dim3(1), dim3(128), 0, nullptr, d_out.p), cudaDeviceSynchronize()),
                        doctest::Contains("kernel barrier_in_branch: __syncthreads() is never reached by thread (64,0,0)"),
                        std::runtime_error);
   // The harness is usable again after the error.
@@ -259,6 +261,72 @@ TEST_CASE("cuda harness: a stream capture records launches and copies, and each 
   KVS_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+namespace {
+// out (32) = value: the kernel ahead.
+__global__ void fill(float* out, float value) {
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
+  out[threadIdx.x] = value;
+}
+// out (32) = 2 · in, in read before the wait for the kernel before (breaking cuda_support.h's rule) or after it.
+__global__ void twice(float* out, const float* in, bool read_before_waiting) {
+  const float early = read_before_waiting ? in[threadIdx.x] : 0.0f;
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
+  out[threadIdx.x] = 2.0f * (read_before_waiting ? early : in[threadIdx.x]);
+}
+}  // namespace
+
+// Launched programmatically, a kernel may start before the kernel ahead of it has finished: the harness runs its
+// first block up to its wait first, so what it reads there is what memory held before that kernel ran.
+TEST_CASE("cuda harness: a programmatic launch's reads before its wait come before the kernel ahead of it") {
+  DeviceArray<float> in(32), out(32);
+  for (const bool programmatic : {false, true}) {
+    for (const bool read_before_waiting : {false, true}) {
+      CAPTURE(programmatic);
+      CAPTURE(read_before_waiting);
+      const kvs::cuda::LaunchQueue queue{nullptr, programmatic};
+      KVS_CUDA_CHECK(cudaMemset(in.p, 0, 32 * sizeof(float)));
+      KVS_LAUNCH(fill, dim3(1), dim3(32), 0, queue, in.p, 1.0f);
+      KVS_LAUNCH(twice, dim3(1), dim3(32), 0, queue, out.p, in.p, read_before_waiting);
+      // The rule kept, or a plain launch (which starts once the kernel ahead has finished): 2. Broken: the 0 that
+      // `in` held before fill ran.
+      const float expected = programmatic && read_before_waiting ? 0.0f : 2.0f;
+      for (float v : out.host()) CHECK(v == expected);
+    }
+  }
+}
+
+// The kernel ahead runs to its end before any copy, synchronisation or graph; a recorded graph's kernels
+// overlap as the stream's do.
+TEST_CASE("cuda harness: a pending kernel finishes before a copy, a synchronisation or a graph sees memory") {
+  DeviceArray<float> in(32), out(32);
+  const kvs::cuda::LaunchQueue queue{nullptr, true};
+  KVS_CUDA_CHECK(cudaMemset(in.p, 0, 32 * sizeof(float)));
+  KVS_LAUNCH(fill, dim3(1), dim3(32), 0, queue, in.p, 3.0f);
+  CHECK(in.host()[31] == 3.0f);  // cudaMemcpy finished it
+  KVS_LAUNCH(fill, dim3(1), dim3(32), 0, queue, in.p, 4.0f);
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  float host[32];
+  std::memcpy(host, in.p, sizeof host);  // the harness's device memory is the host's
+  CHECK(host[0] == 4.0f);
+
+  cudaStream_t stream = nullptr;
+  KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const kvs::cuda::LaunchQueue captured{stream, true};
+  KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  KVS_LAUNCH(fill, dim3(1), dim3(32), 0, captured, in.p, 5.0f);
+  KVS_LAUNCH(twice, dim3(1), dim3(32), 0, captured, out.p, in.p, true);
+  cudaGraph_t graph = nullptr;
+  KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  KVS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  KVS_CUDA_CHECK(cudaGraphDestroy(graph));
+  KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CHECK(out.host()[0] == 8.0f);   // twice read `in` before fill's 5: the 4 it held
+  CHECK(in.host()[0] == 5.0f);    // and fill finished before the graph ended
+  KVS_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  KVS_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 #if defined(__SANITIZE_ADDRESS__)
 namespace {
 constexpr int kOutOfBoundsLine = __LINE__ + 3;  // the read below
@@ -285,6 +353,7 @@ TEST_CASE("cuda harness: under AddressSanitizer an out-of-bounds read in a kerne
     cudaMalloc(&out, 32 * sizeof(float));
     cudaMemset(in, 0, 32 * sizeof(float));
     KVS_LAUNCH(read_one_past, dim3(1), dim3(32), 0, nullptr, out, in, 32);
+    cudaDeviceSynchronize();  // the read comes after the kernel's wait: it runs when the pending kernel finishes
     _exit(0);
   }
   close(err[1]);

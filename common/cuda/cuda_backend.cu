@@ -37,8 +37,9 @@ constexpr float kRmsEps = 1e-5f;  // as the CPU backend and llama2.c
 // ---- kernels ----
 // Every kernel starts with KVS_WAIT_FOR_PREVIOUS_KERNEL() (cuda_support.h): launched programmatically, as this
 // backend launches them on compute capability 9.0 and later, a kernel may start before the one ahead of it has
-// finished, and must not touch memory before that wait (the harness reports a thread that synchronises or ends
-// before it; a test reads each kernel's source for it as the first statement).
+// finished, and must not touch memory before that wait - but weights, which no kernel writes (gemv_kernel loads
+// its first ones there). The harness runs a kernel's first block up to the wait before the kernel ahead finishes
+// and reports a thread that synchronises or ends before it; a test reads each kernel's source for it.
 
 // Sum of v over the 32 lanes of the calling warp, in every lane.
 __device__ float warp_sum(float v) {
@@ -801,19 +802,17 @@ __device__ void store_sums(float* totals, const float (&values)[kValues]) {
 
 template <int kTokens, int kWidth, GemvStore kStore>
 __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_kernel(GemvArgs a) {
-  KVS_WAIT_FOR_PREVIOUS_KERNEL();
+  // This kernel alone does work before its wait for the kernel ahead (cuda_support.h): it loads weights, which no
+  // kernel writes, so that launched programmatically its first loads overlap the end of the kernel ahead instead
+  // of starting after it - a product's first memory latency, paid 4 times a layer. Before the wait it reads
+  // only the kernel's parameters and weight rows; x, the norm's weights and every output come after it.
   constexpr int kMatrices = kStore == GemvStore::kSwiglu ? 2 : 1;
   constexpr int kValues = kMatrices * kGemvRows * kTokens;  // dot products
   static_assert((kValues & (kValues - 1)) == 0 && (kTokens & (kTokens - 1)) == 0, "warp_sum_each halves powers of two");
-  __shared__ float lanes[kGemvWarps][kValues + kTokens][kWarp];  // each lane's partial sums (when warps > 1)
-  __shared__ float totals[kValues], square_totals[kTokens];       // the block's sums
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   // The block's rows and tile of tokens. The tile varies fastest, so the blocks that read the same weight rows
   // run side by side: the first reads them from memory, the others from L2.
   const int tiles = (a.n + kTokens - 1) / kTokens, tile = blockIdx.x % tiles;
   const int first = blockIdx.x / tiles * kGemvRows, first_token = tile * kTokens;
-  const int n = a.n - first_token < kTokens ? a.n - first_token : kTokens;  // the tile's tokens
-  const float* x_tile = a.x + std::size_t(first_token) * a.d_in;  // (n, d_in)
   // The block's weight rows; past the launch's last row, the last row again (read, never stored), so that
   // every load below is unconditional.
   const float* w_rows[kMatrices][kGemvRows];
@@ -825,6 +824,34 @@ __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_kernel(GemvArgs a) {
     w_rows[0][r] = product.w + std::size_t(local) * a.d_in;
     if constexpr (kMatrices == 2) w_rows[1][r] = a.up + std::size_t(local) * a.d_in;
   }
+  // The block's threads sweep d_in, kWidth columns each per sweep. kSweeps sweeps' weight loads are issued
+  // together before any is used: one sweep's loads at a time left each block waiting out a memory latency
+  // per sweep (a d_in of 2048 is 4 sweeps of 512 floats), and the GPU's bandwidth needs many bytes in flight.
+  // Fewer at once where the accumulators already take the registers.
+  constexpr int kSweeps = kMatrices * kTokens <= 2 ? 4 : kMatrices * kTokens <= 8 ? 2 : 1;
+  const int stride = blockDim.x * kWidth;
+  Floats<kWidth> w[kSweeps][kMatrices][kGemvRows];
+  // The weights of the kSweeps sweeps from column c; a sweep past d_in reads column 0 again (never used), so
+  // that the loads are unconditional.
+  auto load_sweeps = [&](int c) {
+    KVS_UNROLL
+    for (int s = 0; s < kSweeps; ++s) {
+      const int column = c + s * stride < a.d_in ? c + s * stride : 0;
+      KVS_UNROLL
+      for (int m = 0; m < kMatrices; ++m)
+        KVS_UNROLL
+        for (int r = 0; r < kGemvRows; ++r) w[s][m][r] = load_floats<kWidth>(w_rows[m][r] + column);
+    }
+  };
+  int c = threadIdx.x * kWidth;
+  if (c < a.d_in) load_sweeps(c);
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
+
+  __shared__ float lanes[kGemvWarps][kValues + kTokens][kWarp];  // each lane's partial sums (when warps > 1)
+  __shared__ float totals[kValues], square_totals[kTokens];       // the block's sums
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  const int n = a.n - first_token < kTokens ? a.n - first_token : kTokens;  // the tile's tokens
+  const float* x_tile = a.x + std::size_t(first_token) * a.d_in;  // (n, d_in)
   float acc[kValues] = {}, square[kTokens] = {};  // acc[(m · kGemvRows + r) · kTokens + t]: matrix m, row r, token t
   // Columns [c, c + kWidth) of the block's rows, their weights w: into acc and square.
   auto accumulate = [&](int c, const Floats<kWidth> (&w)[kMatrices][kGemvRows]) {
@@ -847,31 +874,12 @@ __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_kernel(GemvArgs a) {
           for (int k = 0; k < kWidth; ++k) acc[(m * kGemvRows + r) * kTokens + t] += w[m][r].v[k] * x.v[k];
     }
   };
-  // The block's threads sweep d_in, kWidth columns each per sweep. kSweeps sweeps' weight loads are issued
-  // together before any is used: one sweep's loads at a time left each block waiting out a memory latency
-  // per sweep (a d_in of 2048 is 4 sweeps of 512 floats), and the GPU's bandwidth needs many bytes in flight.
-  // Fewer at once where the accumulators already take the registers.
-  constexpr int kSweeps = kMatrices * kTokens <= 2 ? 4 : kMatrices * kTokens <= 8 ? 2 : 1;
-  const int stride = blockDim.x * kWidth;
-  int c = threadIdx.x * kWidth;
-  for (; c + (kSweeps - 1) * stride < a.d_in; c += kSweeps * stride) {
-    Floats<kWidth> w[kSweeps][kMatrices][kGemvRows];
+  while (c < a.d_in) {  // the sweeps in order, kSweeps at a time, each group's loads issued before its use
     KVS_UNROLL
     for (int s = 0; s < kSweeps; ++s)
-      KVS_UNROLL
-      for (int m = 0; m < kMatrices; ++m)
-        KVS_UNROLL
-        for (int r = 0; r < kGemvRows; ++r) w[s][m][r] = load_floats<kWidth>(w_rows[m][r] + c + s * stride);
-    KVS_UNROLL
-    for (int s = 0; s < kSweeps; ++s) accumulate(c + s * stride, w[s]);
-  }
-  for (; c < a.d_in; c += stride) {  // the last sweeps, one at a time
-    Floats<kWidth> w[kMatrices][kGemvRows];
-    KVS_UNROLL
-    for (int m = 0; m < kMatrices; ++m)
-      KVS_UNROLL
-      for (int r = 0; r < kGemvRows; ++r) w[m][r] = load_floats<kWidth>(w_rows[m][r] + c);
-    accumulate(c, w);
+      if (c + s * stride < a.d_in) accumulate(c + s * stride, w[s]);
+    c += kSweeps * stride;
+    if (c < a.d_in) load_sweeps(c);
   }
   // The block's sums: the warps' partial sums added through shared memory, then warp 0's lanes together.
   if (warps > 1) {
@@ -1336,8 +1344,10 @@ class CudaBackend final : public Backend {
 
 #if defined(KVS_CUDA_HARNESS)
 std::unique_ptr<Backend> make_cuda_harness_backend() {
-  programmatic_launch_wanted();  // a bad KVS_PROGRAMMATIC_LAUNCH is refused here too; the harness runs kernels in order
-  return std::make_unique<CudaBackend>("cuda kernels on the CPU (CUDA harness, for tests; never time it)", false);
+  // Programmatic unless KVS_PROGRAMMATIC_LAUNCH=0, as on an H100: the harness then runs each kernel's first block
+  // up to its wait before the kernel ahead of it finishes (harness/cuda_runtime_harness.h).
+  return std::make_unique<CudaBackend>("cuda kernels on the CPU (CUDA harness, for tests; never time it)",
+                                       programmatic_launch_wanted());
 }
 #endif
 

@@ -23,6 +23,9 @@ struct LaunchQueue {
   cudaStream_t stream;
   bool programmatic;
 };
+// Whether a launch on `queue` is programmatic: a LaunchQueue says; a bare stream (the harness's own tests) is plain.
+inline bool programmatic(const LaunchQueue& queue) { return queue.programmatic; }
+inline bool programmatic(cudaStream_t) { return false; }
 
 [[noreturn]] inline void fail(const char* call, const char* error, const char* file, int line) {
   throw std::runtime_error(std::string("CUDA error at ") + file + ":" + std::to_string(line) + ": " + call + ": " + error);
@@ -37,12 +40,13 @@ struct LaunchQueue {
   } while (0)
 
 #if defined(KVS_CUDA_HARNESS)
-// Every thread of every block runs `kernel(args...)` on the CPU (see harness/cuda_runtime_harness.h); the
-// queue is ignored (everything runs in order), unless a capture records the launch.
+// Every thread of every block runs `kernel(args...)` on the CPU (see harness/cuda_runtime_harness.h), in order,
+// except that a launch on a programmatic queue runs its first block up to its wait before the kernel ahead of
+// it finishes, as a GPU may; or a capture records the launch.
 #define KVS_LAUNCH(kernel, grid, block, shared_bytes, queue, ...) \
-  ::kvs::cuda_harness::launch_kernel(#kernel, grid, block, shared_bytes, kernel, __VA_ARGS__)
-// Every kernel runs after the one before has finished here; the harness checks that every thread calls this
-// before any barrier or warp operation and before it ends.
+  ::kvs::cuda_harness::launch_kernel(#kernel, grid, block, shared_bytes, ::kvs::cuda::programmatic(queue), kernel, __VA_ARGS__)
+// The harness checks that every thread calls this before any barrier or warp operation and before it ends, and
+// in a programmatic launch's first block holds each thread here until the kernel before has finished.
 #define KVS_WAIT_FOR_PREVIOUS_KERNEL() ::kvs::cuda_harness::wait_for_previous_kernel()
 #define KVS_DYNAMIC_SHARED(type, name) type* name = static_cast<type*>(::kvs::cuda_harness::dynamic_shared_memory())
 // nvcc's loop-unrolling request (registers indexed by an unrolled loop's counter stay registers); g++ ignores it.
@@ -68,9 +72,10 @@ cudaError_t launch(LaunchQueue queue, dim3 grid, dim3 block, std::size_t shared_
 }  // namespace kvs::cuda
 #define KVS_LAUNCH(kernel, grid, block, shared_bytes, queue, ...) \
   KVS_CUDA_CHECK(::kvs::cuda::launch(queue, grid, block, shared_bytes, kernel, __VA_ARGS__))
-// The first statement of every kernel. Launched programmatically, a kernel may start while the one before it
-// still runs: griddepcontrol.wait returns once that kernel has finished and its writes are visible (nothing
-// before it may read what that kernel writes, or write what it reads); launch_dependents then lets the kernel
+// The first statement of every kernel (after loads of weights, which no kernel writes, at most). Launched
+// programmatically, a kernel may start while the one before it still runs: griddepcontrol.wait returns once that
+// kernel has finished and its writes are visible (nothing before it may read what that kernel writes, or write
+// what it reads); launch_dependents then lets the kernel
 // after this one be scheduled as soon as every block of this one has got here. Launched plainly, or before
 // compute capability 9.0, both are no-ops.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -19,7 +19,20 @@
 //   - stream capture and graphs: between cudaStreamBeginCapture and cudaStreamEndCapture, launches,
 //     asynchronous copies and the harness's matrix products are recorded (kernel arguments by value, as a
 //     launch copies them), not run; cudaGraphLaunch runs the recording. A synchronous copy, a stream
-//     synchronisation or a second capture while capturing is refused, as CUDA refuses it.
+//     synchronisation or a second capture while capturing is refused, as CUDA refuses it;
+//   - programmatic dependent launch (cuda_support.h): a kernel launched programmatically may start before the
+//     kernel ahead of it has finished, its blocks waiting in KVS_WAIT_FOR_PREVIOUS_KERNEL(). So the last kernel
+//     launched stays pending, its first block stopped at that wait, and finishes only when the next kernel,
+//     if programmatic, has run its first block up to its own wait - or before anything else runs (a plain
+//     launch, a copy, a synchronisation, a free, a graph's start and end). What a kernel reads before its wait
+//     is what memory held before the kernel ahead of it ran, and what it writes there, that kernel may
+//     overwrite or read: breaking the rule gives a wrong result here, as it can on a GPU. Only the first block
+//     runs early (a GPU may start any), and an error of a pending kernel surfaces at the call that finishes it.
+//     Two first blocks may then be alive at once, of the same kernel function too, sharing its static
+//     __shared__ memory: harmless, as nothing before the wait may touch shared memory (a barrier there is
+//     reported). The next kernel's first block runs before the pending kernel's other blocks reach their wait,
+//     which a GPU never does (it schedules the next kernel once every block has passed its wait): harmless while
+//     code before a wait reads only what no kernel writes.
 // Errors it reports, naming the kernel: a thread that reaches a synchronisation point or its end without
 // KVS_WAIT_FOR_PREVIOUS_KERNEL() (cuda_support.h: every kernel's first statement), a __syncthreads() that some
 // threads of the block never reach (they exited or wait elsewhere), a warp operation that a lane of its mask
@@ -30,7 +43,8 @@
 // wrong result under some order, and so does a kernel that expects a certain block to finish last.
 //
 // What it does not model: separate host and device memory (a host pointer passed to a kernel works here
-// and faults on a GPU), asynchronous streams and events (everything runs at the call, in order), any
+// and faults on a GPU), asynchronous streams and events (everything runs in order, but for the overlap
+// above), any
 // notion of performance (never time anything here), warp-synchronous code without *_sync operations
 // (lanes here run independently between synchronisation points), memory-ordering subtleties, and
 // floating-point differences between the GPU's and the CPU's maths functions (exp, rsqrt, fused
@@ -48,7 +62,8 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-// One copy per kernel function: blocks run one at a time, so this is the block's shared memory.
+// One copy per kernel function: blocks run one at a time (but for a first block stopped before its wait, which
+// touches no shared memory), so this is the block's shared memory.
 #define __shared__ static
 
 struct uint3 {
@@ -75,15 +90,19 @@ namespace kvs::cuda_harness {
 
 // Runs `body` (which calls the kernel) for every thread of every block; throws std::runtime_error naming
 // `kernel` on a launch error or a synchronisation error.
-void launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes,
+// programmatic: launched programmatically dependent (cuda_support.h's LaunchQueue), so that its first block
+// runs up to KVS_WAIT_FOR_PREVIOUS_KERNEL() before the kernel ahead of it finishes (see below).
+void launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes, bool programmatic,
             const std::function<void()>& body);
 // KVS_LAUNCH: the arguments are copied, as a CUDA launch copies them, so a recorded launch (stream capture)
 // does not refer to the caller's variables.
 template <typename Kernel, typename... Args>
-void launch_kernel(const char* name, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes, Kernel* kernel,
-                   Args... args) {
-  launch(name, grid, block, dynamic_shared_bytes, [=] { kernel(args...); });
+void launch_kernel(const char* name, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes, bool programmatic,
+                   Kernel* kernel, Args... args) {
+  launch(name, grid, block, dynamic_shared_bytes, programmatic, [=] { kernel(args...); });
 }
+// The last kernel launched, finished: what every call that synchronises, copies or frees does first.
+void finish_pending_kernel();
 // Work on the stream outside a kernel (a copy, the harness's matrix product): runs now, or is recorded
 // while a stream capture is active.
 void run_or_record(const std::function<void()>& work);
@@ -198,6 +217,7 @@ enum cudaError_t {
   cudaSuccess = 0,
   cudaErrorInvalidValue = 1,
   cudaErrorMemoryAllocation = 2,
+  cudaErrorLaunchFailure = 719,
   cudaErrorNoDevice = 100,
   cudaErrorStreamCaptureUnsupported = 900,
   cudaErrorIllegalState = 401

@@ -86,7 +86,7 @@ struct PooledStack {
   void deallocate(ctx::stack_context& stack) { stack_pool().deallocate(stack); }
 };
 
-enum class State { kReady, kAtBarrier, kAtWarpOp, kDone };
+enum class State { kReady, kAtWait, kAtBarrier, kAtWarpOp, kDone };
 
 // Thrown inside a suspended thread to end it when its launch has failed.
 struct Abandon {};
@@ -94,6 +94,7 @@ struct Abandon {};
 const char* state_name(State s) {
   switch (s) {
     case State::kReady: return "running";
+    case State::kAtWait: return "waiting for the kernel before";
     case State::kAtBarrier: return "waiting at __syncthreads()";
     case State::kAtWarpOp: return "waiting at a warp operation";
     case State::kDone: return "exited";
@@ -130,11 +131,43 @@ struct Thread {
 
 enum class Order { kSequential, kReverse, kRandom };
 
+// One launch: its grid, the kernel call, the order its blocks run in, and the block that runs now - its
+// threads and its dynamic shared memory.
+struct Launch {
+  const char* kernel = "";
+  dim3 grid, block;
+  std::size_t dynamic_shared = 0;
+  std::function<void()> body;
+  std::vector<unsigned> block_order;  // x fastest, in the order the blocks run
+  uint3 block_index;                  // of the block running now
+  std::vector<Thread> threads;        // its threads
+  std::unique_ptr<unsigned char[]> shared;
+  std::exception_ptr error;
+  bool abandoning = false;
+  // Its first block runs ahead of the kernel before it (programmatic launch): a thread stops at
+  // KVS_WAIT_FOR_PREVIOUS_KERNEL() until that kernel has finished.
+  bool early = false;
+};
+
+Launch* volatile left_at_exit = nullptr;  // see ~Scheduler (volatile: the store is kept)
+
+// Runs the launches. A launch on a programmatic queue (cuda_support.h) is run as a GPU may run it: its first
+// block up to KVS_WAIT_FOR_PREVIOUS_KERNEL() *before* the kernel ahead of it finishes. So every kernel launch
+// is left pending with its first block stopped at that wait, and finishes when the next launch's first block
+// has reached its own wait (a programmatic next launch) or before anything else on the stream runs (a plain
+// launch, a copy, a synchronisation, a free). What a kernel reads before its wait is then what memory held
+// before the kernel ahead of it ran: a read of that kernel's output there gives a wrong result here, as it
+// may on a GPU, instead of passing unseen.
 class Scheduler {
  public:
   Scheduler() {
     const char* order = std::getenv("KVS_CUDA_HARNESS_ORDER");
     set_order(order ? order : "sequential");
+  }
+  ~Scheduler() {
+    // A kernel still pending at exit (no synchronisation after it): its suspended threads are left as they are -
+    // the stack pool they would unwind into may already be gone - and reachable, for the leak checker.
+    left_at_exit = pending_.release();
   }
   void set_order(const std::string& s) {
     if (s == "sequential") {
@@ -149,43 +182,91 @@ class Scheduler {
     }
   }
 
-  void launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared,
+  void launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared, bool programmatic,
               const std::function<void()>& body) {
-    kernel_ = kernel;
     const long threads = long(block.x) * block.y * block.z;
     if (threads < 1 || threads > kMaxThreadsPerBlock)
-      fail("a block of " + std::to_string(threads) + " threads (1 to " + std::to_string(kMaxThreadsPerBlock) + " allowed)");
-    if (long(grid.x) * grid.y * grid.z < 1) fail("an empty grid");
+      fail(kernel, "a block of " + std::to_string(threads) + " threads (1 to " + std::to_string(kMaxThreadsPerBlock) + " allowed)");
+    if (long(grid.x) * grid.y * grid.z < 1) fail(kernel, "an empty grid");
     if (dynamic_shared > kMaxDynamicShared)
-      fail(std::to_string(dynamic_shared) + " bytes of dynamic shared memory (at most " +
-           std::to_string(kMaxDynamicShared) + ")");
-    gridDim = grid;
-    blockDim = block;
+      fail(kernel, std::to_string(dynamic_shared) + " bytes of dynamic shared memory (at most " +
+                       std::to_string(kMaxDynamicShared) + ")");
+    if (!programmatic) finish_pending();  // a plain launch starts once the kernel before has finished
+    std::unique_ptr<Launch> next;  // a finished launch's storage where there is one: no allocation per launch
+    if (spares_.empty()) {
+      next = std::make_unique<Launch>();
+    } else {
+      next = std::move(spares_.back());
+      spares_.pop_back();
+    }
+    Launch& l = *next;
+    l.kernel = kernel, l.grid = grid, l.block = block, l.dynamic_shared = dynamic_shared, l.body = body;
+    l.error = nullptr, l.abandoning = false, l.early = true;
     // The blocks in the threads' order too: a GPU runs them in any order, and a kernel whose blocks meet (the
     // last to finish doing more, attention_decode_kernel's merge) must work whichever comes last.
-    block_order_.resize(std::size_t(grid.x) * grid.y * grid.z);  // kept between launches: no allocation per launch
-    std::iota(block_order_.begin(), block_order_.end(), 0u);
-    if (order_ == Order::kReverse) std::reverse(block_order_.begin(), block_order_.end());
-    if (order_ == Order::kRandom) std::shuffle(block_order_.begin(), block_order_.end(), random_);
-    for (const unsigned b : block_order_) {
-      blockIdx = uint3{b % grid.x, b / grid.x % grid.y, b / (grid.x * grid.y)};
-      // Fresh bytes per block, NaN when read as floats: shared memory starts undefined on a GPU.
-      shared_.reset(dynamic_shared ? new unsigned char[dynamic_shared] : nullptr);
-      if (dynamic_shared) std::memset(shared_.get(), 0xff, dynamic_shared);
-      run_block(static_cast<int>(threads), body);
+    l.block_order.resize(std::size_t(grid.x) * grid.y * grid.z);
+    std::iota(l.block_order.begin(), l.block_order.end(), 0u);
+    if (order_ == Order::kReverse) std::reverse(l.block_order.begin(), l.block_order.end());
+    if (order_ == Order::kRandom) std::shuffle(l.block_order.begin(), l.block_order.end(), random_);
+    run_block(l, 0);  // the first block, up to its wait
+    try {
+      finish_pending();  // the kernel before finishes now, after what this one did before its wait
+    } catch (...) {
+      abandon_suspended(l);
+      throw;
     }
-    shared_.reset();
+    pending_ = std::move(next);
   }
 
-  void* dynamic_shared() { return shared_.get(); }
-  int lane() const { return current_ % kWarpSize; }
-  bool inside_kernel() const { return current_ >= 0; }
+  // The pending kernel runs to its end: before anything else on the stream, or the host, sees memory.
+  void finish_pending() {
+    if (!pending_) return;
+    std::unique_ptr<Launch> done = std::move(pending_);
+    Launch& l = *done;
+    l.early = false;
+    for (Thread& t : l.threads)
+      if (t.state == State::kAtWait) t.state = State::kReady;
+    run_scheduled(l);
+    for (std::size_t b = 1; b < l.block_order.size(); ++b) run_block(l, b);
+    l.shared.reset();
+    l.body = nullptr;  // the kernel's arguments
+    spares_.push_back(std::move(done));
+  }
 
+  void* dynamic_shared() { return running_->shared.get(); }
+  int lane() const { return current_ % kWarpSize; }
+  bool inside_kernel() const { return running_ && current_ >= 0; }
+
+  // Called by a running thread at KVS_WAIT_FOR_PREVIOUS_KERNEL(): in a first block run ahead of the kernel
+  // before, the thread stops here until that kernel has finished.
+  void wait_for_previous_kernel() {
+    current().waited_for_previous_kernel = true;
+    if (running_->early) suspend(State::kAtWait);
+  }
   // Called by a running thread: stop at a synchronisation point until the scheduler releases it.
   void wait(State state) {
-    Thread& t = threads_[current_];
+    Thread& t = current();
     if (!t.waited_for_previous_kernel)
-      fail(where(current_) + " reaches " + (state == State::kAtBarrier ? "__syncthreads()" : op_name(t.op)) + kNoWait);
+      fail(running_->kernel,
+           where(current_) + " reaches " + (state == State::kAtBarrier ? "__syncthreads()" : op_name(t.op)) + kNoWait);
+    suspend(state);
+  }
+  Thread& current() { return running_->threads[current_]; }
+
+ private:
+  [[noreturn]] static void fail(const char* kernel, const std::string& what) {
+    throw std::runtime_error(std::string("CUDA harness: kernel ") + kernel + ": " + what);
+  }
+  std::string where(int t) const {
+    const uint3& i = running_->threads[t].index;
+    const uint3& b = running_->block_index;
+    return "thread (" + std::to_string(i.x) + "," + std::to_string(i.y) + "," + std::to_string(i.z) + ") of block (" +
+           std::to_string(b.x) + "," + std::to_string(b.y) + "," + std::to_string(b.z) + ")";
+  }
+
+  void suspend(State state) {
+    Launch& l = *running_;
+    Thread& t = l.threads[current_];
     t.state = state;
 #if defined(__SANITIZE_ADDRESS__)
     __sanitizer_start_switch_fiber(&t.fake_stack, main_bottom_, main_size_);
@@ -194,95 +275,108 @@ class Scheduler {
 #if defined(__SANITIZE_ADDRESS__)
     __sanitizer_finish_switch_fiber(t.fake_stack, &main_bottom_, &main_size_);
 #endif
-    if (abandoning_) throw Abandon{};
-  }
-  Thread& current() { return threads_[current_]; }
-
- private:
-  [[noreturn]] void fail(const std::string& what) const {
-    throw std::runtime_error(std::string("CUDA harness: kernel ") + kernel_ + ": " + what);
-  }
-  std::string where(int t) const {
-    const uint3& i = threads_[t].index;
-    return "thread (" + std::to_string(i.x) + "," + std::to_string(i.y) + "," + std::to_string(i.z) + ") of block (" +
-           std::to_string(blockIdx.x) + "," + std::to_string(blockIdx.y) + "," + std::to_string(blockIdx.z) + ")";
+    if (l.abandoning) throw Abandon{};
   }
 
-  void run_block(int n, const std::function<void()>& body) {
-    threads_.clear();
-    threads_.resize(n);
-    error_ = nullptr;
+  // Block block_order[b] of l: its threads as fibers, run until they end (or, in a block run early, until
+  // every one waits for the kernel before).
+  void run_block(Launch& l, std::size_t b) {
+    const unsigned index = l.block_order[b];
+    l.block_index = uint3{index % l.grid.x, index / l.grid.x % l.grid.y, index / (l.grid.x * l.grid.y)};
+    // Fresh bytes per block, NaN when read as floats: shared memory starts undefined on a GPU.
+    l.shared.reset(l.dynamic_shared ? new unsigned char[l.dynamic_shared] : nullptr);
+    if (l.dynamic_shared) std::memset(l.shared.get(), 0xff, l.dynamic_shared);
+    const int n = static_cast<int>(l.block.x * l.block.y * l.block.z);
+    l.threads.clear();
+    l.threads.resize(n);
+    l.error = nullptr;
     for (int t = 0; t < n; ++t) {
-      threads_[t].index = uint3{t % blockDim.x, (t / blockDim.x) % blockDim.y, t / (blockDim.x * blockDim.y)};
+      l.threads[t].index = uint3{t % l.block.x, (t / l.block.x) % l.block.y, t / (l.block.x * l.block.y)};
       ctx::stack_context stack = stack_pool().allocate();
 #if defined(__SANITIZE_ADDRESS__)
-      threads_[t].stack_bottom = static_cast<char*>(stack.sp) - stack.size;
-      threads_[t].stack_size = stack.size;
+      l.threads[t].stack_bottom = static_cast<char*>(stack.sp) - stack.size;
+      l.threads[t].stack_size = stack.size;
 #endif
       const ctx::preallocated on_stack(stack.sp, stack.size, stack);
-      threads_[t].fiber = ctx::fiber(std::allocator_arg, on_stack, PooledStack{}, [this, t, &body](ctx::fiber&& scheduler) {
+      l.threads[t].fiber = ctx::fiber(std::allocator_arg, on_stack, PooledStack{}, [this, &l, t](ctx::fiber&& scheduler) {
 #if defined(__SANITIZE_ADDRESS__)
         __sanitizer_finish_switch_fiber(nullptr, &main_bottom_, &main_size_);
 #endif
-        threads_[t].scheduler = std::move(scheduler);
+        l.threads[t].scheduler = std::move(scheduler);
         try {
-          if (!abandoning_) {  // a thread first entered while abandoning never runs the kernel
-            body();
-            if (!threads_[t].waited_for_previous_kernel) fail(where(t) + " ends" + kNoWait);
+          if (!l.abandoning) {  // a thread first entered while abandoning never runs the kernel
+            l.body();
+            if (!l.threads[t].waited_for_previous_kernel) fail(l.kernel, where(t) + " ends" + kNoWait);
           }
         } catch (const Abandon&) {
           // the launch failed elsewhere: this thread's stack is unwound, it ends here
         } catch (...) {
-          if (!error_) error_ = std::current_exception();
+          if (!l.error) l.error = std::current_exception();
         }
-        threads_[t].state = State::kDone;
+        l.threads[t].state = State::kDone;
 #if defined(__SANITIZE_ADDRESS__)
         __sanitizer_start_switch_fiber(nullptr, main_bottom_, main_size_);
 #endif
-        return std::move(threads_[t].scheduler);
+        return std::move(l.threads[t].scheduler);
       });
     }
+    run_scheduled(l);
+    if (!l.early) l.threads.clear();
+  }
+
+  // Runs the block's threads until all have ended, or all wait for the kernel before (a block run early).
+  void run_scheduled(Launch& l) {
     try {
-      schedule(n);
+      schedule(l);
     } catch (...) {
-      abandon_suspended();
+      abandon_suspended(l);
       throw;
     }
-    threads_.clear();
   }
 
-  // After an error: resumes every suspended thread once with `abandoning_` set, so that its wait() throws
+  // After an error: resumes every suspended thread once with `abandoning` set, so that its wait throws
   // Abandon and its stack unwinds through the same (sanitizer-annotated) switches as any resume.
-  void abandon_suspended() {
-    abandoning_ = true;
-    for (int t = 0; t < static_cast<int>(threads_.size()); ++t)
-      if (threads_[t].state != State::kDone && threads_[t].fiber) resume(t);
-    abandoning_ = false;
-    threads_.clear();
+  void abandon_suspended(Launch& l) {
+    l.abandoning = true;
+    for (int t = 0; t < static_cast<int>(l.threads.size()); ++t)
+      if (l.threads[t].state != State::kDone && l.threads[t].fiber) resume(l, t);
+    l.abandoning = false;
+    l.threads.clear();
   }
 
-  void schedule(int n) {
-    std::vector<int> order(n);
-    std::iota(order.begin(), order.end(), 0);
-    if (order_ == Order::kReverse) std::reverse(order.begin(), order.end());
+  void schedule(Launch& l) {
+    const int n = static_cast<int>(l.threads.size());
+    order_of_threads_.resize(n);
+    std::iota(order_of_threads_.begin(), order_of_threads_.end(), 0);
+    if (order_ == Order::kReverse) std::reverse(order_of_threads_.begin(), order_of_threads_.end());
     for (;;) {
-      if (order_ == Order::kRandom) std::shuffle(order.begin(), order.end(), random_);
-      for (int t : order)
-        if (threads_[t].state == State::kReady) resume(t);
-      if (error_) std::rethrow_exception(error_);
-      if (std::all_of(threads_.begin(), threads_.end(), [](const Thread& t) { return t.state == State::kDone; })) return;
-      if (!release_warp_ops() && !release_barrier()) fail("deadlock in " + where(0));
+      if (order_ == Order::kRandom) std::shuffle(order_of_threads_.begin(), order_of_threads_.end(), random_);
+      for (int t : order_of_threads_)
+        if (l.threads[t].state == State::kReady) resume(l, t);
+      if (l.error) std::rethrow_exception(l.error);
+      if (std::all_of(l.threads.begin(), l.threads.end(), [](const Thread& t) { return t.state == State::kDone; })) return;
+      if (l.early &&
+          std::all_of(l.threads.begin(), l.threads.end(), [](const Thread& t) { return t.state == State::kAtWait; }))
+        return;
+      if (!release_warp_ops(l) && !release_barrier(l)) {
+        running_ = &l;
+        fail(l.kernel, "deadlock in " + where(0));
+      }
     }
   }
 
-  void resume(int t) {
+  void resume(Launch& l, int t) {
+    running_ = &l;
     current_ = t;
-    threadIdx = threads_[t].index;
+    threadIdx = l.threads[t].index;
+    blockIdx = l.block_index;
+    blockDim = l.block;
+    gridDim = l.grid;
 #if defined(__SANITIZE_ADDRESS__)
     void* fake_stack = nullptr;
-    __sanitizer_start_switch_fiber(&fake_stack, threads_[t].stack_bottom, threads_[t].stack_size);
+    __sanitizer_start_switch_fiber(&fake_stack, l.threads[t].stack_bottom, l.threads[t].stack_size);
 #endif
-    threads_[t].fiber = std::move(threads_[t].fiber).resume();
+    l.threads[t].fiber = std::move(l.threads[t].fiber).resume();
 #if defined(__SANITIZE_ADDRESS__)
     __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
 #endif
@@ -290,65 +384,70 @@ class Scheduler {
   }
 
   // Releases every warp operation whose lanes have all arrived; throws when one never can be.
-  bool release_warp_ops() {
+  bool release_warp_ops(Launch& l) {
+    running_ = &l;  // for where()
+    std::vector<Thread>& threads = l.threads;
     bool released = false;
-    const int n = static_cast<int>(threads_.size());
+    const int n = static_cast<int>(threads.size());
     for (int t = 0; t < n; ++t) {
-      const Thread& me = threads_[t];
+      const Thread& me = threads[t];
       if (me.state == State::kAtWarpOp && !(me.mask >> (t % kWarpSize) & 1u))
-        fail(where(t) + " calls " + op_name(me.op) + " with mask 0x" + hex(me.mask) + ", which leaves out its own lane " +
-             std::to_string(t % kWarpSize));
+        fail(l.kernel, where(t) + " calls " + op_name(me.op) + " with mask 0x" + hex(me.mask) +
+                           ", which leaves out its own lane " + std::to_string(t % kWarpSize));
     }
     for (int t = 0; t < n; ++t) {
-      Thread& me = threads_[t];
+      Thread& me = threads[t];
       if (me.state != State::kAtWarpOp) continue;
       const int warp_base = t - t % kWarpSize;
       unsigned ballot = 0;
-      for (int l = 0; l < kWarpSize; ++l) {
-        if (!(me.mask >> l & 1u)) continue;
-        if (warp_base + l >= n)
-          fail(where(t) + ": " + op_name(me.op) + " with mask 0x" + hex(me.mask) + " names lane " + std::to_string(l) +
-               ", which this block does not have");
-        const Thread& other = threads_[warp_base + l];
+      for (int lane = 0; lane < kWarpSize; ++lane) {
+        if (!(me.mask >> lane & 1u)) continue;
+        if (warp_base + lane >= n)
+          fail(l.kernel, where(t) + ": " + op_name(me.op) + " with mask 0x" + hex(me.mask) + " names lane " +
+                             std::to_string(lane) + ", which this block does not have");
+        const Thread& other = threads[warp_base + lane];
         if (other.state != State::kAtWarpOp)
-          fail(where(t) + " waits in " + op_name(me.op) + " with mask 0x" + hex(me.mask) + " for lane " + std::to_string(l) +
-               ", which is " + state_name(other.state) + " (a wrong mask or a divergent call)");
+          fail(l.kernel, where(t) + " waits in " + op_name(me.op) + " with mask 0x" + hex(me.mask) + " for lane " +
+                             std::to_string(lane) + ", which is " + state_name(other.state) +
+                             " (a wrong mask or a divergent call)");
         if (other.mask != me.mask || other.op != me.op)
-          fail(where(t) + " calls " + op_name(me.op) + " with mask 0x" + hex(me.mask) + " while lane " + std::to_string(l) +
-               " calls " + op_name(other.op) + " with mask 0x" + hex(other.mask));
-        if (other.value) ballot |= 1u << l;
+          fail(l.kernel, where(t) + " calls " + op_name(me.op) + " with mask 0x" + hex(me.mask) + " while lane " +
+                             std::to_string(lane) + " calls " + op_name(other.op) + " with mask 0x" + hex(other.mask));
+        if (other.value) ballot |= 1u << lane;
       }
-      for (int l = 0; l < kWarpSize; ++l) {
-        if (!(me.mask >> l & 1u)) continue;
-        Thread& member = threads_[warp_base + l];
+      for (int lane = 0; lane < kWarpSize; ++lane) {
+        if (!(me.mask >> lane & 1u)) continue;
+        Thread& member = threads[warp_base + lane];
         if (member.op == WarpOp::kShuffle) {
           const int source = member.source_lane;
-          if (source != l && !(me.mask >> source & 1u))
-            fail(where(warp_base + l) + " shuffles from lane " + std::to_string(source) + ", outside its mask 0x" +
-                 hex(me.mask));
-          member.result = threads_[warp_base + source].value;
+          if (source != lane && !(me.mask >> source & 1u))
+            fail(l.kernel, where(warp_base + lane) + " shuffles from lane " + std::to_string(source) +
+                               ", outside its mask 0x" + hex(me.mask));
+          member.result = threads[warp_base + source].value;
         } else {
           member.result = ballot;
         }
       }
       // Results first, then release: a member's value is read above before any member runs on.
-      for (int l = 0; l < kWarpSize; ++l)
-        if (me.mask >> l & 1u) threads_[warp_base + l].state = State::kReady;
+      for (int lane = 0; lane < kWarpSize; ++lane)
+        if (me.mask >> lane & 1u) threads[warp_base + lane].state = State::kReady;
       released = true;
     }
     return released;
   }
 
-  bool release_barrier() {
+  bool release_barrier(Launch& l) {
+    running_ = &l;  // for where()
     int waiting = -1;
-    for (int t = 0; t < static_cast<int>(threads_.size()); ++t)
-      if (threads_[t].state == State::kAtBarrier) waiting = t;
+    for (int t = 0; t < static_cast<int>(l.threads.size()); ++t)
+      if (l.threads[t].state == State::kAtBarrier) waiting = t;
     if (waiting < 0) return false;
-    for (int t = 0; t < static_cast<int>(threads_.size()); ++t)
-      if (threads_[t].state != State::kAtBarrier)
-        fail("__syncthreads() is never reached by " + where(t) + ", which is " + state_name(threads_[t].state) +
-             ", while " + where(waiting) + " waits there (a barrier inside a branch some threads skip)");
-    for (Thread& t : threads_) t.state = State::kReady;
+    for (int t = 0; t < static_cast<int>(l.threads.size()); ++t)
+      if (l.threads[t].state != State::kAtBarrier)
+        fail(l.kernel, "__syncthreads() is never reached by " + where(t) + ", which is " +
+                           state_name(l.threads[t].state) + ", while " + where(waiting) +
+                           " waits there (a barrier inside a branch some threads skip)");
+    for (Thread& t : l.threads) t.state = State::kReady;
     return true;
   }
 
@@ -358,15 +457,13 @@ class Scheduler {
     return buf;
   }
 
-  const char* kernel_ = "";
   Order order_ = Order::kSequential;
-  std::vector<unsigned> block_order_;  // the launch's blocks, x fastest, in the order they run
   std::mt19937 random_;
-  std::vector<Thread> threads_;
+  std::vector<int> order_of_threads_;  // kept between blocks: no allocation per block
+  std::unique_ptr<Launch> pending_;    // the last kernel launched, its first block stopped at its wait
+  std::vector<std::unique_ptr<Launch>> spares_;  // finished launches' storage, for the next ones
+  Launch* running_ = nullptr;          // the launch whose thread runs (or was checked) last
   int current_ = -1;
-  std::exception_ptr error_;
-  bool abandoning_ = false;
-  std::unique_ptr<unsigned char[]> shared_;
 #if defined(__SANITIZE_ADDRESS__)
   const void* main_bottom_ = nullptr;
   std::size_t main_size_ = 0;
@@ -390,21 +487,33 @@ Thread& calling_thread(const char* what) {
 std::vector<std::function<void()>>* capture = nullptr;
 
 void run_or_record(const std::function<void()>& work) {
-  if (capture) capture->push_back(work);
-  else work();
+  // Stream work other than a kernel starts once the kernel before it has finished.
+  auto after_pending = [work] {
+    scheduler().finish_pending();
+    work();
+  };
+  if (capture) capture->push_back(after_pending);
+  else after_pending();
 }
 bool capturing() { return capture != nullptr; }
 
-void launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes,
+void launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes, bool programmatic,
             const std::function<void()>& body) {
-  run_or_record([=] { scheduler().launch(kernel, grid, block, dynamic_shared_bytes, body); });
+  auto run = [=] { scheduler().launch(kernel, grid, block, dynamic_shared_bytes, programmatic, body); };
+  if (capture) capture->push_back(run);
+  else run();
 }
+
+void finish_pending_kernel() { scheduler().finish_pending(); }
 
 void* dynamic_shared_memory() { return scheduler().dynamic_shared(); }
 
 void set_thread_order(const std::string& order) { scheduler().set_order(order); }
 
-void wait_for_previous_kernel() { calling_thread("KVS_WAIT_FOR_PREVIOUS_KERNEL").waited_for_previous_kernel = true; }
+void wait_for_previous_kernel() {
+  calling_thread("KVS_WAIT_FOR_PREVIOUS_KERNEL");
+  scheduler().wait_for_previous_kernel();
+}
 
 void syncthreads() {
   calling_thread("__syncthreads");
@@ -446,12 +555,31 @@ cudaError_t cudaMalloc(void** pointer, std::size_t bytes) {
   if (bytes && posix_memalign(pointer, 256, bytes) != 0) return cudaErrorMemoryAllocation;
   return cudaSuccess;
 }
+// What a pending kernel (harness.cpp's Scheduler) left undone runs before the host or other work sees memory:
+// in every call below that synchronises, copies or frees. Where the call may not throw (it runs in destructors,
+// whose callers ignore what it returns), an error of that kernel ends the process with its message: a test
+// whose last kernel fails must not pass for want of a synchronisation after it.
+namespace {
+cudaError_t finish_pending_quietly() {
+  try {
+    kvs::cuda_harness::finish_pending_kernel();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s (found when memory was freed, after the kernel's last synchronisation)\n", e.what());
+    std::abort();
+  }
+  return cudaSuccess;
+}
+}  // namespace
+
 cudaError_t cudaFree(void* pointer) {
+  const cudaError_t pending = finish_pending_quietly();  // the kernel may still use the memory
   std::free(pointer);
+  if (pending != cudaSuccess) return pending;
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind) {
   if (kvs::cuda_harness::capturing()) return cudaErrorStreamCaptureUnsupported;  // as CUDA: it would synchronise
+  kvs::cuda_harness::finish_pending_kernel();
   if (bytes) std::memcpy(dst, src, bytes);  // memcpy, not memmove: ASan reports overlapping ranges
   return cudaSuccess;
 }
@@ -462,6 +590,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaM
   return cudaSuccess;
 }
 cudaError_t cudaMemset(void* dst, int value, std::size_t bytes) {
+  kvs::cuda_harness::finish_pending_kernel();
   if (bytes) std::memset(dst, value, bytes);
   return cudaSuccess;
 }
@@ -472,11 +601,11 @@ cudaError_t cudaMemsetAsync(void* dst, int value, std::size_t bytes, cudaStream_
   return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize() {
-  return kvs::cuda_harness::capturing() ? cudaErrorStreamCaptureUnsupported : cudaSuccess;
+  if (kvs::cuda_harness::capturing()) return cudaErrorStreamCaptureUnsupported;
+  kvs::cuda_harness::finish_pending_kernel();
+  return cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t) {
-  return kvs::cuda_harness::capturing() ? cudaErrorStreamCaptureUnsupported : cudaSuccess;
-}
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaDeviceSynchronize(); }
 
 // Streams: everything runs in order at the call, so a stream is only a distinct non-null handle.
 struct CUstream_st {};
@@ -485,8 +614,9 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  const cudaError_t pending = finish_pending_quietly();
   delete stream;
-  return cudaSuccess;
+  return pending;
 }
 
 // A graph is the list of work recorded by a capture; its executable form is a copy.
@@ -514,7 +644,10 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsig
 }
 cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t) {
   if (kvs::cuda_harness::capturing()) return cudaErrorStreamCaptureUnsupported;
+  // A graph's first kernel waits for what the stream ran before; the work after the graph, for its last kernel.
+  kvs::cuda_harness::finish_pending_kernel();
   for (const auto& work : exec->work) work();
+  kvs::cuda_harness::finish_pending_kernel();
   return cudaSuccess;
 }
 // Nodes: one per recorded launch, copy or matrix product (cuBLAS's products may be several kernels on a GPU).
@@ -544,6 +677,7 @@ const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorNoDevice: return "no CUDA-capable device is detected";
     case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
     case cudaErrorIllegalState: return "the operation cannot be performed in the present state";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
   }
   return "unknown error";
 }
