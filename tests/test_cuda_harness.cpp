@@ -273,11 +273,18 @@ __global__ void twice(float* out, const float* in, bool read_before_waiting) {
   KVS_WAIT_FOR_PREVIOUS_KERNEL();
   out[threadIdx.x] = 2.0f * (read_before_waiting ? early : in[threadIdx.x]);
 }
+// x (32) = value, written before the wait for the kernel before (breaking the rule) or after it.
+__global__ void overwrite(float* x, float value, bool write_before_waiting) {
+  if (write_before_waiting) x[threadIdx.x] = value;
+  KVS_WAIT_FOR_PREVIOUS_KERNEL();
+  if (!write_before_waiting) x[threadIdx.x] = value;
+}
 }  // namespace
 
 // Launched programmatically, a kernel may start before the kernel ahead of it has finished: the harness runs its
-// first block up to its wait first, so what it reads there is what memory held before that kernel ran.
-TEST_CASE("cuda harness: a programmatic launch's reads before its wait come before the kernel ahead of it") {
+// first block up to its wait first, so what it reads there is what memory held before that kernel ran, and what
+// it writes there the kernel ahead may still read.
+TEST_CASE("cuda harness: what a programmatic launch reads or writes before its wait comes before the kernel ahead of it") {
   DeviceArray<float> in(32), out(32);
   for (const bool programmatic : {false, true}) {
     for (const bool read_before_waiting : {false, true}) {
@@ -291,6 +298,13 @@ TEST_CASE("cuda harness: a programmatic launch's reads before its wait come befo
       // `in` held before fill ran.
       const float expected = programmatic && read_before_waiting ? 0.0f : 2.0f;
       for (float v : out.host()) CHECK(v == expected);
+
+      // The other way round: the kernel ahead reads `in` (twice: out = 2 · in), the next one overwrites it.
+      KVS_CUDA_CHECK(cudaMemset(in.p, 0, 32 * sizeof(float)));
+      KVS_LAUNCH(twice, dim3(1), dim3(32), 0, queue, out.p, in.p, false);
+      KVS_LAUNCH(overwrite, dim3(1), dim3(32), 0, queue, in.p, 7.0f, read_before_waiting);
+      const float doubled = programmatic && read_before_waiting ? 14.0f : 0.0f;  // twice read the 7 written early
+      for (float v : out.host()) CHECK(v == doubled);
     }
   }
 }
