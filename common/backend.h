@@ -202,12 +202,19 @@ class Backend {
   virtual int fused_tokens() const { return 0; }
 
   // One product of norm_products: out (n, d_out) = normed · wᵀ (w uploaded by upload_matrix), then, when
-  // `rope` is not null, RoPE with that table (n, head_dim/2, 2) on out's d_out / head_dim heads.
+  // `rope` is not null, RoPE with that table (n, head_dim/2, 2) on out's d_out / head_dim heads; then, when
+  // `cache_rows` is not null, out's rows written into a cache as write_rows(cache_rows, cache_row_stride,
+  // positions, cache_ring, out, n, d_out) writes them: a layer's cache write (KvCache::rows_write), on a GPU
+  // stored by the product's own kernel.
   struct Product {
     float* out;
     const float* w;
     int d_out;
     const float* rope = nullptr;
+    float* cache_rows = nullptr;
+    int cache_row_stride = 0;
+    Ring cache_ring = Ring::unbounded();
+    const int* positions = nullptr;  // (n), backend memory
   };
   // normed (n, d_in) = rmsnorm(x, norm_weight), then each product of normed: a sub-layer's input products
   // (attention's q, k, v; the classifier).
@@ -217,6 +224,7 @@ class Backend {
     for (const Product& p : products) {
       matmul(p.out, normed, p.w, n, d_in, p.d_out);
       if (p.rope) rope(p.out, p.rope, n, p.d_out / head_dim, head_dim);
+      if (p.cache_rows) write_rows(p.cache_rows, p.cache_row_stride, p.positions, p.cache_ring, p.out, n, p.d_out);
     }
   }
   // gate (n, hidden) = silu(normed · w1ᵀ) ⊙ (normed · w3ᵀ), normed (n, d_in) = rmsnorm(x, norm_weight), up

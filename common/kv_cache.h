@@ -7,7 +7,8 @@
 //   view(layer)                             per layer: the rows this layer's attention may read;
 // the layers in order, 0 first: per layer write(layer), then view(layer). A cache that keeps its rows in a pool
 // other sequences share (chapter 08) may say where a write goes instead (paged_write): the model then writes
-// it, with the other sequences of a batch in that pool, in place of write().
+// it, with the other sequences of a batch in that pool, in place of write(). So may a cache whose write is plain
+// float rows (rows_write, chapter 03's): the products that compute the keys and values then store them there too.
 // A cache policy (a chapter's lesson) decides where K/V live and which rows are visible; the forward
 // pass never changes from one chapter to the next. Between forward passes an experiment may read or
 // overwrite what the cache holds, one row at a time (row(); chapter 05 corrupts a key that way).
@@ -147,6 +148,15 @@ struct PagedWrite {
   BlockTable table;
 };
 
+// Where a cache's write of one layer goes when it is one Backend::write_key_value_rows: keys into `keys`, values
+// into `values`, float rows `row_stride` floats apart, position p at row ring.write_slot(p).
+struct RowsWrite {
+  float* keys = nullptr;
+  float* values = nullptr;
+  int row_stride = 0;
+  Ring ring = Ring::unbounded();
+};
+
 class KvCache {
  public:
   virtual ~KvCache() = default;
@@ -163,6 +173,11 @@ class KvCache {
   // its one sequence (through the backend the model runs on, whose memory the rows are), so both ways store the
   // same bytes. nullopt (the default): the model calls write().
   virtual std::optional<PagedWrite> paged_write(int /*layer*/, int /*pos*/, int /*n*/) const { return std::nullopt; }
+  // Where write(layer, pos, n, ...) puts the rows, when that write is exactly one Backend::write_key_value_rows
+  // with these arguments (after the checks write() makes): the model may then have the rows stored by the
+  // products that compute them (Backend::Product::cache_rows; on a GPU the layer's write is then no launch of its
+  // own) and not call write(). nullopt (the default): the model calls write().
+  virtual std::optional<RowsWrite> rows_write(int /*layer*/, int /*pos*/, int /*n*/) const { return std::nullopt; }
   // What this layer's attention reads; includes the positions just written.
   virtual KvView view(int layer) const = 0;
   // Positions cached so far: the next forward pass starts here (0 for a fresh cache).

@@ -169,11 +169,12 @@ void Model::compute(int n, Logits which) {
     const LayerWeights& w = layers_[l];
     // attention: x += Wo · attention(RoPE(Wq · norm(x)), RoPE(Wk · norm(x)), Wv · norm(x))
     const float* qk_rope = rotate_here ? rope : nullptr;
-    const Backend::Product qkv[] = {{q, w.wq, dim, qk_rope},       // q (n, n_heads · head_dim)
-                                    {k, w.wk, kv_dim, qk_rope},    // k (n, n_kv_heads · head_dim)
-                                    {v, w.wv, kv_dim}};            // v (n, n_kv_heads · head_dim)
-    b.norm_products(xb, x, w.rms_att, n, dim, c.head_dim(), qkv);  // xb (n, dim) = norm(x) (backend.h)
-    write_caches(l, positions, k, v);  // what later positions read
+    Backend::Product qkv[] = {{q, w.wq, dim, qk_rope},       // q (n, n_heads · head_dim)
+                              {k, w.wk, kv_dim, qk_rope},    // k (n, n_kv_heads · head_dim)
+                              {v, w.wv, kv_dim}};            // v (n, n_kv_heads · head_dim)
+    const bool written = write_in_products(l, positions, qkv[1], qkv[2]);  // the cache write, where it can ride
+    b.norm_products(xb, x, w.rms_att, n, dim, c.head_dim(), qkv);          // xb (n, dim) = norm(x) (backend.h)
+    if (!written) write_caches(l, positions, k, v);  // what later positions read
     attention_parts_.clear();
     for (const Part& s : parts_) {  // each sequence's tokens attend over its own cache only
       const KvView visible = s.cache->view(l);        // (rows, kv_dim) keys and values
@@ -230,6 +231,22 @@ void Model::write_caches(int layer, const int* positions, const float* k, const 
     }
   }
   if (pool) backend_.write_paged_batch(pool->keys, pool->values, positions, paged_parts_, k, v);
+}
+
+// One sequence whose cache's write is plain float rows (KvCache::rows_write), in a call the backend runs fused
+// (fused_tokens: a GPU's decode step): the k and v products store their rows there as well (Backend::Product::
+// cache_rows), and the layer's write is no launch of its own. Elsewhere write_caches: several sequences write
+// several caches, a prefill's write is one launch either way, and the CPU's costs no launch at all.
+bool Model::write_in_products(int layer, const int* positions, Backend::Product& k, Backend::Product& v) {
+  if (parts_.size() != 1 || parts_[0].n > backend_.fused_tokens()) return false;
+  const Part& s = parts_[0];
+  const std::optional<RowsWrite> rows = s.cache->rows_write(layer, s.pos, s.n);
+  if (!rows) return false;
+  k.cache_rows = rows->keys, v.cache_rows = rows->values;
+  k.cache_row_stride = v.cache_row_stride = rows->row_stride;
+  k.cache_ring = v.cache_ring = rows->ring;
+  k.positions = v.positions = positions;
+  return true;
 }
 
 void Model::observe(int layer, int pos, int n, const KvView& visible, float* weights) {

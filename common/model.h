@@ -97,6 +97,7 @@ class Model {
   void compute(int n, Logits which);
   // One layer's new keys and values (n, kv_dim) of every sequence into its cache.
   void write_caches(int layer, const int* positions, const float* k, const float* v);
+  bool write_in_products(int layer, const int* positions, Backend::Product& k, Backend::Product& v);
   // Hands one layer's attention weights (backend memory) to the observer.
   void observe(int layer, int pos, int n, const KvView& visible, float* weights);
   std::span<const float> read_logits(int rows);  // (rows, vocab) to the host

@@ -99,15 +99,15 @@ fi
 if has profile; then
   # The synthetic model's decode kernels one by one under Nsight Compute: each kernel's own time and the bytes it
   # reads from DRAM, against the ~3 TB/s a step could reach - which kernels keep a step from its bandwidth
-  # (book 07; tests/gpu_kernel_profile.py makes the table). Two steps' 198 launches of the project's kernels
-  # (99 a step) after the first 400: past the warm-up's prefill at 4,096 positions (147: 9 a layer, cuBLAS's
-  # products not counted, and 3) and within its 7 decode steps (147 + 7 x 99 = 840); 198 consecutive launches
-  # hold each of a step's 99 twice.
+  # (book 07; tests/gpu_kernel_profile.py makes the table). Two steps' 166 launches of the project's kernels
+  # (83 a step: 5 a layer and 3) after the first 400: past the warm-up's prefill at 4,096 positions (147: 9 a
+  # layer, cuBLAS's products not counted, and 3) and within its 7 decode steps (147 + 7 x 83 = 728); 166
+  # consecutive launches hold each of a step's 83 twice.
   # --clock-control none: the clocks as the GPU sets them (ncu otherwise locks them to base, slower than a run).
   if command -v ncu >/dev/null; then
     ncu --clock-control none --csv --page raw --print-units base --log-file "$out/profile_ncu.csv" \
       --kernel-name regex:'^(embed|rmsnorm|rope|write|attention|gemv|swiglu|add)_' \
-      --launch-skip 400 --launch-count 198 \
+      --launch-skip 400 --launch-count 166 \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
       build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown \
       --lengths 4096 --max-new-tokens 8 >"$out/profile_run.log" 2>&1

@@ -149,7 +149,7 @@ TEST_CASE("cuda kernels: matrix products through the BLAS interface equal the CP
 // products whose rows are not a multiple of the 4 a block computes (so a block holds rows of two products), a
 // RoPE product starting at an odd row (the launch must fall back to the definition). A call that should be fused
 // is recorded and its launches counted (run_fused): one, so a call that fell back to the definition fails.
-TEST_CASE("cuda kernels: the fused norm-products, SwiGLU and residual add equal their definitions") {
+TEST_CASE("cuda kernels: the fused norm-products (a cache write in them), SwiGLU and residual add equal their definitions") {
   CpuBackend cpu(1);
   std::mt19937 gen(10);
   test::for_each_backend(kernel_backends(), [&](Backend& b) {
@@ -194,12 +194,32 @@ TEST_CASE("cuda kernels: the fused norm-products, SwiGLU and residual add equal 
         products.push_back({got.back().data(), b.upload_matrix(w.data(), o.d_out, k.d_in), o.d_out,
                             o.rope ? d_table.data() : nullptr});
       }
+      // Attention's k and v (products 1 and 2 of three) also store their rows in a cache, as KvCache::rows_write
+      // asks: a ring that wraps within the call (positions from 1000; two sinks; one slot more than the call's
+      // rows, so no two share a slot), rows 3 floats longer than a product's; untouched rows stay -7.
+      const Ring ring{k.n + 3, 2};
+      const IntBuffer cpu_positions = consecutive_positions(cpu, 1000, k.n), positions = consecutive_positions(b, 1000, k.n);
+      std::vector<std::vector<float>> want_cache;
+      std::vector<Buffer> cache;
+      for (std::size_t i = 1; k.outs.size() == 3 && i < 3; ++i) {
+        const int stride = k.outs[i].d_out + 3;
+        want_cache.emplace_back(std::size_t(ring.slots) * stride, -7.0f);
+        cache.push_back(test::to_backend(b, want_cache.back()));
+        cpu_products[i].cache_rows = want_cache.back().data(), products[i].cache_rows = cache.back().data();
+        cpu_products[i].cache_row_stride = products[i].cache_row_stride = stride;
+        cpu_products[i].cache_ring = products[i].cache_ring = ring;
+        cpu_products[i].positions = cpu_positions.data(), products[i].positions = positions.data();
+      }
       std::vector<float> normed(x.size());
       cpu.norm_products(normed.data(), x.data(), g.data(), k.n, k.d_in, k.head_dim, cpu_products);
       run_fused(b, k.fused, [&] { b.norm_products(d_normed.data(), d_x.data(), d_g.data(), k.n, k.d_in, k.head_dim, products); });
       for (std::size_t i = 0; i < k.outs.size(); ++i) {
         CAPTURE(i);
         CHECK(worst_excess(test::from_backend(b, got[i]), want[i], 1e-4f) <= 0);
+      }
+      for (std::size_t i = 0; i < cache.size(); ++i) {
+        CAPTURE(i);
+        CHECK(worst_excess(test::from_backend(b, cache[i]), want_cache[i], 1e-4f) <= 0);
       }
     }
 

@@ -45,9 +45,14 @@ class PreallocatedKvCache final : public KvCache {
   // Row p of a layer's block holds position p (a ring that never wraps): write_key_value_rows reads the positions
   // from backend memory, so a recorded decode step writes the row of the position it is replayed at.
   void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) override {
+    const RowsWrite rows = *rows_write(layer, pos, n);
+    backend_.write_key_value_rows(rows.keys, rows.values, rows.row_stride, positions, rows.ring, k, v, n, kv_dim_);
+  }
+  // The same write, for the model to have the products that compute k and v store it (backend.h, Product).
+  std::optional<RowsWrite> rows_write(int layer, int pos, int n) const override {
     check_write("PreallocatedKvCache", layer, n_layers_, pos, n, length_);
-    backend_.write_key_value_rows(storage_.data() + block(layer, 0), storage_.data() + block(layer, 1), kv_dim_, positions,
-                                  Ring::unbounded(), k, v, n, kv_dim_);
+    float* storage = const_cast<float*>(storage_.data());  // the rows are written through the backend, not here
+    return RowsWrite{storage + block(layer, 0), storage + block(layer, 1), kv_dim_, Ring::unbounded()};
   }
 
   // The whole block, every allocated row, whatever the length: the rows past a query's position are in its

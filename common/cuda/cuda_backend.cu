@@ -729,6 +729,9 @@ struct GemvProduct {
   int d_out = 0;
   const float* rope = nullptr;  // (n, head_dim/2, 2), or null
   int first_row = 0;
+  float* cache_rows = nullptr;  // or null: out's rows also at cache_ring.write_slot(position), cache_row_stride apart
+  int cache_row_stride = 0;
+  Ring cache_ring = Ring::unbounded();
 };
 struct GemvArgs {
   const float* x = nullptr;            // (n, d_in)
@@ -737,6 +740,7 @@ struct GemvArgs {
   GemvProduct products[kGemvMaxProducts];
   int count = 0, rows = 0;             // products, and their rows together
   int n = 0, d_in = 0, head_dim = 0;
+  const int* positions = nullptr;      // (n): where the products with cache_rows store each token's row
 };
 
 template <int kWidth>
@@ -915,17 +919,24 @@ __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_kernel(GemvArgs a) {
   find_row(a, first + r, product, local);
   const std::size_t token = std::size_t(first_token) + t;  // in the launch
   float* out = product.out + token * product.d_out + local;
+  // The layer's cache write, fused: the same values into the token's cache row (write_rows_kernel's slot).
+  float* cached = product.cache_rows ? product.cache_rows +
+                                           std::size_t(product.cache_ring.write_slot(a.positions[token])) *
+                                               product.cache_row_stride + local
+                                     : nullptr;
   if constexpr (kStore == GemvStore::kSwiglu) {
     *out = swiglu_of(value(0, r), value(1, r));
   } else if constexpr (kStore == GemvStore::kAdd) {
     *out += value(0, r);
   } else if (!product.rope) {
     *out = value(0, r);
+    if (cached) *cached = *out;
   } else if (local % 2 == 0) {  // the pair's first row rotates and stores both (the launch checked r + 1 is its partner)
     float pair[2] = {value(0, r), value(0, r + 1)};
     const int pairs = a.head_dim / 2;
     rope_rotate(pair, product.rope + (token * pairs + (local % a.head_dim) / 2) * 2);
     out[0] = pair[0], out[1] = pair[1];
+    if (cached) cached[0] = pair[0], cached[1] = pair[1];
   }
 }
 
@@ -1203,7 +1214,11 @@ class CudaBackend final : public Backend {
       const Product& product = products[p];
       // RoPE's pairs must be pairs of a block's rows: rows 2i, 2i+1 of whole heads, from an even row on.
       if (product.rope && (a.rows % 2 != 0 || head_dim % 2 != 0 || product.d_out % head_dim != 0)) fits = false;
-      a.products[p] = GemvProduct{product.out, product.w, product.d_out, product.rope, a.rows};
+      // The cache rows' positions are the launch's one positions array.
+      if (product.cache_rows && a.positions && product.positions != a.positions) fits = false;
+      if (product.cache_rows) a.positions = product.positions;
+      a.products[p] = GemvProduct{product.out,        product.w,   product.d_out,    product.rope, a.rows,
+                                  product.cache_rows, product.cache_row_stride, product.cache_ring};
       a.rows += product.d_out;
       a.count += 1;
     }
