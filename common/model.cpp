@@ -234,9 +234,10 @@ void Model::write_caches(int layer, const int* positions, const float* k, const 
 }
 
 // One sequence whose cache's write is plain float rows (KvCache::rows_write), in a call the backend runs fused
-// (fused_tokens: a GPU's decode step): the k and v products store their rows there as well (Backend::Product::
-// cache_rows), and the layer's write is no launch of its own. Elsewhere write_caches: several sequences write
-// several caches, a prefill's write is one launch either way, and the CPU's costs no launch at all.
+// (up to fused_tokens() tokens: a GPU's decode step, a short prefill): the k and v products store their rows
+// there as well (Backend::Product::cache_rows), and the layer's write is no launch of its own. Elsewhere
+// write_caches: several sequences write several caches, a long prefill's write is one launch either way, and the
+// CPU's costs no launch at all.
 bool Model::write_in_products(int layer, const int* positions, Backend::Product& k, Backend::Product& v) {
   if (parts_.size() != 1 || parts_[0].n > backend_.fused_tokens()) return false;
   const Part& s = parts_[0];

@@ -91,7 +91,8 @@ TEST_CASE("sliding window: the ring equals a full cache masked to the window, ac
     // ring's slot arithmetic differs.
     for (const ch04::KeyPositions positions : {ch04::KeyPositions::kAbsolute, ch04::KeyPositions::kWithinWindow})
       for (const Window window : {Window{W, 0}, Window{W, 4}})
-        for (int length : {W - 1, W, W + 1, 2 * W, 2 * W + 1})
+        for (int length : test::sanitizer_run() ? std::vector<int>{W, W + 1, 2 * W + 1}  // the wraps, in less time
+                                                : std::vector<int>{W - 1, W, W + 1, 2 * W, 2 * W + 1})
           for (int chunk : {1, 5, length}) {  // token by token, in chunks, in one call
             CAPTURE(ch04::to_string(positions));
             CAPTURE(window.sinks);
