@@ -919,9 +919,9 @@ __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_kernel(GemvArgs a) {
   find_row(a, first + r, product, local);
   const std::size_t token = std::size_t(first_token) + t;  // in the launch
   float* out = product.out + token * product.d_out + local;
-  // The layer's cache write, fused: the same values into the token's cache row (write_rows_kernel's slot).
+  // The layer's cache write, fused: the same values into the token's cache row, the row write_rows_kernel finds.
   float* cached = product.cache_rows ? product.cache_rows +
-                                           std::size_t(product.cache_ring.write_slot(a.positions[token])) *
+                                           std::size_t(write_row(product.cache_ring, a.positions[token])) *
                                                product.cache_row_stride + local
                                      : nullptr;
   if constexpr (kStore == GemvStore::kSwiglu) {

@@ -75,9 +75,8 @@ cudaError_t launch(LaunchQueue queue, dim3 grid, dim3 block, std::size_t shared_
 // The first statement of every kernel (after loads of weights, which no kernel writes, at most). Launched
 // programmatically, a kernel may start while the one before it still runs: griddepcontrol.wait returns once that
 // kernel has finished and its writes are visible (nothing before it may read what that kernel writes, or write
-// what it reads); launch_dependents then lets the kernel
-// after this one be scheduled as soon as every block of this one has got here. Launched plainly, or before
-// compute capability 9.0, both are no-ops.
+// what it reads); launch_dependents then lets the kernel after this one be scheduled as soon as every block of
+// this one has got here. Launched plainly, or before compute capability 9.0, both are no-ops.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define KVS_WAIT_FOR_PREVIOUS_KERNEL()                             \
   do {                                                             \
