@@ -535,6 +535,8 @@ TEST_CASE("batched decode through pools: one cache write a layer for a pool's se
 TEST_CASE("scheduler: every request's greedy tokens equal the request served alone, with joins, leaves and preemption") {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   const std::string text = test::validation_text();
+  // Under the sanitizers 5 requests a block size: all three prompt shapes, and the tight pool still preempts
+  // (checked below).
   const bool short_run = test::sanitizer_run();
   CpuBackend cpu(test::test_threads());
   Model model(checkpoint, cpu, 128, checkpoint.config().seq_len);

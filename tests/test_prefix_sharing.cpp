@@ -226,6 +226,7 @@ TEST_CASE("prefix cache: a long randomized trace under a small pool - audited ev
   CpuBackend cpu(test::test_threads());
   Model model(checkpoint, cpu, 64, checkpoint.config().seq_len);
   std::mt19937 random(20261123);
+  // Under the sanitizers 16 requests: still enough to preempt and evict (both checked below).
   const int count = test::sanitizer_run() ? 16 : 40;
   std::vector<Request> requests;
   for (int i = 0; i < count; ++i) {  // four documents, shared or cut short at random points, and prompts of their own
