@@ -21,9 +21,10 @@ using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::Row
 using Strided = Eigen::OuterStride<>;
 constexpr float kRmsEps = 1e-5f;
 
-// Work is handed to other threads in tasks of at least this many multiply-adds (~10 us on one core):
-// handing a task over costs a round trip between cores (worker_pool.h), and a decode step of the shipped
-// model is ~40 operations of 1-30 us. Measured there with 2 threads (03_benchmark --breakdown): splitting
+// Work is handed to other threads only where it is at least this many multiply-adds (~10 us on one core): a
+// matrix product's every task, decode attention as a whole. Handing a task over costs a round trip between
+// cores (worker_pool.h), and a decode step of the shipped model is ~40 products and attention calls of
+// 1-30 us (and ~50 smaller operations). Measured there with 2 threads (03_benchmark --breakdown): splitting
 // every matrix product into 32-column tasks made a step at context 32 slower, 0.112 ms against 0.089 with
 // one thread; products of its size now run on one core, attention over long contexts on two.
 constexpr std::int64_t kTaskMultiplyAdds = 1 << 17;

@@ -219,7 +219,8 @@ TEST_CASE("weights: the CPU backend holds exactly Model::weight_bytes, with a sh
 
 TEST_CASE("threads: 1 and 2 threads give bit-identical logits and the same greedy and sampled tokens") {
   // A 700-position prompt: the prefill's products are split into many tasks and every decode step's
-  // attention is handed to the second thread (over 2^18 multiply-adds), so both split paths run.
+  // attention is handed to the second thread (2 x 700 x 4 x 32 multiply-adds, over cpu_backend.cpp's
+  // 2^17), so both split paths run.
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   const std::vector<int> prompt = encode_bytes(test::validation_text().substr(0, 700));
   for (const float temperature : {0.0f, 0.8f}) {
