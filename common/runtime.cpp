@@ -71,7 +71,11 @@ Runtime::Runtime(const CommonOptions& options, const std::string& default_prompt
       backend_owner(make_backend(options.backend, options.threads)),
       backend(*backend_owner),
       memory(plan_run(options, checkpoint, backend, prompt.size(), fit, longest_sequence, kv_rows)),
-      model(checkpoint, backend, memory.positions, memory.kv_rows) {}
+      model(checkpoint, backend, memory.positions, memory.kv_rows) {
+  // --csv checked (and its folder tried) now, before a chapter prints or runs anything: a run that could not
+  // write its results does not start. The chapter's own CsvWriter checks again when it writes.
+  const CsvWriter early_check({"--csv", options.csv}, "", inputs());
+}
 
 int Runtime::cpu_threads() const {
   const auto* cpu = dynamic_cast<const CpuBackend*>(&backend);
