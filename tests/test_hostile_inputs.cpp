@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,11 @@ const std::vector<Binary>& every_binary() {
   };
   return all;
 }
+const std::string& args_of(const std::string& name) {
+  for (const Binary& b : every_binary())
+    if (b.name == name) return b.args;
+  throw std::logic_error("no binary " + name);
+}
 
 // A header-valid checkpoint with a huge trained context: seq_len 2^21 positions, 16 MiB on disk (the legacy
 // RoPE tables), a model of a few hundred parameters.
@@ -98,6 +104,18 @@ TEST_CASE("results: --csv into a folder that does not exist is refused before an
     CHECK(r.out.empty());
     CHECK(r.err == b.name + ": error: --csv /nonexistent/folder/out.csv: the folder /nonexistent/folder does not exist (run " +
                        b.name + " --help for usage)\n");
+  }
+  // The chapters' second outputs too.
+  for (const auto& [command, flag] : {std::pair{"05_break_corrupt_key" + small_model() + args_of("05_break_corrupt_key"), "--contamination-csv"},
+                                      std::pair{"10_quantized_cache" + small_model() + " --experiment channels --text-bytes 64 --group 16",
+                                                "--errors-csv"},
+                                      std::pair{"03_benchmark" + small_model() + args_of("03_benchmark"), "--memory-csv"}}) {
+    CAPTURE(command);
+    const auto r = run_command(binary(command) + " " + flag + " /nonexistent/folder/out.csv");
+    CHECK(r.exit_code == 2);
+    CHECK(r.out.empty());
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+    CHECK(r.err.find(std::string(flag) + " /nonexistent/folder/out.csv: the folder") != std::string::npos);
   }
 }
 
@@ -172,6 +190,12 @@ TEST_CASE("results: an output path that is an input is refused and the input sur
                                 dir.file("x.csv") + " --memory-csv " + dir.file("x.csv"));
   CHECK(both.exit_code == 2);
   CHECK(both.err.find("--memory-csv " + dir.file("x.csv") + " is the same file as --csv") != std::string::npos);
+  // Chapter 10's second output: refused before its channels are computed, with nothing printed before the line.
+  const auto errors = run_command(binary("10_quantized_cache") + small_model() + " --experiment channels --text-bytes 64 --group 16 --csv " +
+                                  dir.file("x.csv") + " --errors-csv " + dir.file("x.csv"));
+  CHECK(errors.exit_code == 2);
+  CHECK(errors.err.rfind("10_quantized_cache: error: --errors-csv " + dir.file("x.csv") + " is the same file as --csv", 0) == 0);
+  CHECK(!std::filesystem::exists(dir.file("x.csv")));
 }
 
 TEST_CASE("results: a checkpoint rewritten while it is mapped stays readable (writers replace, never truncate)") {

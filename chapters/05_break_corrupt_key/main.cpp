@@ -119,35 +119,32 @@ int main(int argc, char** argv) {
       if (!parser.given("--position")) corruption.position = kvs::ch05::default_position(prompt_len, corruption.at_step);
       kvs::ch05::check_corruption(corruption, c, prompt_len, options.max_new_tokens);
     }
+    // Both outputs checked before anything is printed (a refusal is one line): the run's steps and contamination,
+    // or the sweep's runs and KL curves. Neither may be an input, nor the other.
+    const bool run = experiment == "run";
+    kvs::CsvWriter csv({"--csv", options.csv},
+                       run ? "step,position,clean_token,corrupted_token,tokens_match,kl,max_abs_logit,kl_vector_restored,"
+                             "kl_all_restored,head,attention_clean,attention_corrupted"
+                           : "prompt,layer,position,part,seed,steps_to_mismatch,kl_mean,attention_mean",
+                       rt.inputs());
+    auto others = rt.inputs();
+    others.push_back({"--csv", options.csv});
+    kvs::CsvWriter second(run ? kvs::NamedPath{"--contamination-csv", contamination_csv} : kvs::NamedPath{"--kl-csv", kl_csv},
+                          run ? "layer,position,max_abs_dkey,max_abs_dvalue" : "layer,part,steps_after,kl_median,kl_p90,configs",
+                          others);
     std::cerr << rt.describe() << "\n";
-    if (experiment == "run") {
+    if (run) {
       if (!parser.given("--position"))
         std::cerr << "--position not given: " << corruption.position << ", " << kvs::ch05::kDefaultDistance
                   << " positions before the newest one cached at the corruption\n";
-      kvs::CsvWriter steps_csv({"--csv", options.csv},
-                               "step,position,clean_token,corrupted_token,tokens_match,kl,max_abs_logit,kl_vector_restored,"
-                               "kl_all_restored,head,attention_clean,attention_corrupted",
-                               rt.inputs());
-      auto others = rt.inputs();
-      others.push_back({"--csv", options.csv});
-      kvs::CsvWriter contamination({"--contamination-csv", contamination_csv}, "layer,position,max_abs_dkey,max_abs_dvalue",
-                                   others);
-      kvs::ch05::report_run(rt.model, rt.prompt, options.max_new_tokens, corruption, restore_after, every, steps_csv,
-                            contamination);
-      for (const kvs::CsvWriter* csv : {&steps_csv, &contamination})
-        if (csv->enabled()) std::cerr << "wrote " << csv->path() << "\n";
+      kvs::ch05::report_run(rt.model, rt.prompt, options.max_new_tokens, corruption, restore_after, every, csv, second);
     } else {
-      kvs::CsvWriter csv({"--csv", options.csv}, "prompt,layer,position,part,seed,steps_to_mismatch,kl_mean,attention_mean",
-                         rt.inputs());
-      auto others = rt.inputs();
-      others.push_back({"--csv", options.csv});
-      kvs::CsvWriter kl({"--kl-csv", kl_csv}, "layer,part,steps_after,kl_median,kl_p90,configs", others);
       const std::string held_out =
           kvs::read_input_file("the held-out text", kvs::find_data_file("kjv/valid.txt"), 1u << 30);
-      kvs::ch05::sweep(rt.model, held_out, prompts, seeds, options.max_new_tokens, prompt_len, corruption, csv, kl);
-      for (const kvs::CsvWriter* w : {&csv, &kl})
-        if (w->enabled()) std::cerr << "wrote " << w->path() << "\n";
+      kvs::ch05::sweep(rt.model, held_out, prompts, seeds, options.max_new_tokens, prompt_len, corruption, csv, second);
     }
+    for (const kvs::CsvWriter* written : {&csv, &second})
+      if (written->enabled()) std::cerr << "wrote " << written->path() << "\n";
     return 0;
   });
 }

@@ -60,6 +60,11 @@ int channels(const kvs::CommonOptions& options, int text_bytes, int offset, int 
                           " pass the end of the held-out text (" + std::to_string(text.size()) + " bytes)");
   rt.plan_kv_cache(kvs::kv_cache_bytes(c, text_bytes));
   rt.plan_other(kvs::kv_cache_bytes(c, text_bytes), "the cached keys and values copied to the host");
+  // Both outputs checked before anything runs: neither may be an input, nor the other.
+  kvs::CsvWriter csv({"--csv", options.csv}, "layer,kind,channel,mean_abs,max_abs", rt.inputs());
+  auto others = rt.inputs();
+  others.push_back({"--csv", options.csv});
+  kvs::CsvWriter errors({"--errors-csv", errors_csv}, "layer,kind,format,group,relative_error", others);
   std::fprintf(stderr, "%s\n", rt.describe().c_str());
   const kvs::ch10::CachedRows rows = kvs::ch10::cache_rows(rt.model, kvs::encode_bytes(text.substr(offset, text_bytes)));
 
@@ -67,7 +72,6 @@ int channels(const kvs::CommonOptions& options, int text_bytes, int offset, int 
                        "median channel, the largest, and which one\n", rows.positions);
   std::fprintf(stderr, "%5s | %8s %8s %7s %8s | %8s %8s %7s %8s\n", "layer", "K median", "K max", "ratio", "channel",
                "V median", "V max", "ratio", "channel");
-  kvs::CsvWriter csv({"--csv", options.csv}, "layer,kind,channel,mean_abs,max_abs", rt.inputs());
   for (int layer = 0; layer < rows.layers; ++layer) {
     std::fprintf(stderr, "%5d |", layer);
     for (const auto* which : {&rows.keys, &rows.values}) {
@@ -95,7 +99,6 @@ int channels(const kvs::CommonOptions& options, int text_bytes, int offset, int 
                        "tokens of a channel)\n%-24s", group, "format");
   for (int layer = 0; layer < rows.layers; ++layer) std::fprintf(stderr, "   K l%d   V l%d", layer, layer);
   std::fprintf(stderr, "\n");
-  kvs::CsvWriter errors({"--errors-csv", errors_csv}, "layer,kind,format,group,relative_error", rt.inputs());
   for (Grouping g : groupings) {
     std::fprintf(stderr, "%-24s", kvs::ch10::to_string(g));
     for (int layer = 0; layer < rows.layers; ++layer)
