@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Quick start, command 1: install what is missing, build in Release, and run every chapter built so far
-# with short defaults on the shipped model. Text goes to stdout, measurements to stderr.
+# with short defaults on the shipped model (and chapter 04's recall on the copying model, where it ships).
+# Text goes to stdout, measurements to stderr.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

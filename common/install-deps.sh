@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages a task needs, only those missing. Usage:
-#   common/install-deps.sh build    # cmake g++ libeigen3-dev doctest-dev libboost-context-dev (build, tests)
-#   common/install-deps.sh plots    # python3-matplotlib                        (plots/)
-#   common/install-deps.sh corpus   # python3 bible-kjv                          (data/build_corpus.py)
-#   common/install-deps.sh train    # python3-torch libopenblas0-pthread bible-kjv  (data/: train, golden files)
+#   common/install-deps.sh build    # cmake g++ make libeigen3-dev doctest-dev libboost-context-dev (build, tests)
+#   common/install-deps.sh plots    # python3 python3-matplotlib                 (plots/)
+#   common/install-deps.sh corpus   # python3 bible-kjv                          (data/build_corpus.py; the book test)
+#   common/install-deps.sh train    # python3 python3-torch python3-numpy libopenblas0-pthread bible-kjv
+#                                   #                                            (data/: train, golden files)
 # Several groups may be given. On a system without apt-get it lists what to install by hand and fails.
 set -euo pipefail
 

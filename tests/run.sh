@@ -5,6 +5,6 @@
 # this (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-common/install-deps.sh build
+common/install-deps.sh build corpus  # corpus: python3 and bible-kjv, for the book test (chapter 00 builds the corpus)
 cmake --workflow --preset test
 cmake --workflow --preset sanitize
