@@ -18,7 +18,7 @@ Commands run in order, chapter by chapter, with bash, in a scratch folder that l
 (build/, data/ and plots/ lead to the real ones), so files a command writes (naive.csv, long_prompt.txt)
 stay out of the repository; with --check, plots/ is a scratch folder too, so the tiny runs overwrite no
 plot data. (Chapter 00's corpus command rebuilds data/kjv/train.txt in place, and leaves the committed
-valid.txt untouched when it is unchanged: data/build_corpus.py replaces a file only when its text differs.) --check shrinks what makes a run long (new tokens, sweep lengths, repeats, evaluated bytes) and
+valid.txt untouched when it is unchanged: data/build_corpus.py replaces a file only when its text differs.) --check shrinks what makes a run long (new tokens, sweep lengths, repeats, evaluated bytes, distances) and
 lists test cases instead of running them: it checks that every command still runs and exits 0.
 """
 import argparse
@@ -76,7 +76,7 @@ EXPERIMENT_SHRINK = {
     ("09_prefix_sharing", "prefix"): " --counts 1,2 --prefix-length 256",
     ("09_prefix_sharing", "sampling"): " --counts 1,2",
     ("09_prefix_sharing", "mixed"): " --requests 8",
-    ("10_quantized_cache", "quality"): " --text-bytes 4096",
+    ("10_quantized_cache", "quality"): " --text-bytes 4096 --contexts 512",
     ("10_quantized_cache", "speed"): " --contexts 64 --steps 5",
     ("10_quantized_cache", "recall"): " --distances 200",
     ("10_quantized_cache", "channels"): " --text-bytes 256",
@@ -94,6 +94,8 @@ def shrink(command):
         command = re.sub(r"--windows \S+", "--windows full,8", command)
         if "--experiment perplexity" in command or "--experiment recall" in command:
             command += " --windows full,8 --max-bytes 2048" if "--windows" not in command else " --max-bytes 2048"
+        if "--experiment recall" in command and "--distances" not in command:
+            command += " --distances 128"
         if "--experiment stream" in command:
             command += " --stream-bytes 2100"
     for (binary, experiment), extra in EXPERIMENT_SHRINK.items():
