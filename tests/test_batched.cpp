@@ -421,6 +421,10 @@ TEST_CASE("batched decode: a few sequences each get the very bits of their step 
     // The CUDA kernels' products take 8 tokens a tile: 2 and 3 fill part of one, 9 ends in a tile of 1, 20 in one
     // of 4. Under the sanitizer (test_util.h) 3 and 9 alone: 20 sequences through the harness took 63 s there, and
     // made this the suite's longest test (134 s in CI with all four).
+    // Prompts of different lengths, 5 to 110 bytes (views past 64 rows are split in chunks on the kernels: 20
+    // sequences cross that); under the sanitizer 5 to 21, for 3 and 9 sequences never past 64 anyway (the
+    // harness's prefills of up to 61 bytes were most of the 51 s that 9 sequences took there).
+    const int length_step = test::sanitizer_run() ? 2 : 7;
     const std::vector<int> kernel_batches = test::sanitizer_run() ? std::vector<int>{3, 9} : std::vector<int>{2, 3, 9, 20};
     for (const int sequences : cpu ? std::vector<int>{2, 9, 16, 64} : kernel_batches) {
       CAPTURE(sequences);
@@ -428,7 +432,7 @@ TEST_CASE("batched decode: a few sequences each get the very bits of their step 
       std::vector<Cache> batched_caches, alone_caches;
       std::vector<int> next(sequences);
       for (int i = 0; i < sequences; ++i) {
-        prompts.push_back(encode_bytes(text.substr(std::size_t(i) * 150, std::size_t(5 + 7 * (i % 16)))));
+        prompts.push_back(encode_bytes(text.substr(std::size_t(i) * 150, std::size_t(5 + length_step * (i % 16)))));
         batched_caches.emplace_back(backend, c, 128);
         alone_caches.emplace_back(backend, c, 128);
         model.forward(prompts[i], 0, &batched_caches[i]);
@@ -475,6 +479,9 @@ TEST_CASE("batched decode through pools: one cache write a layer for a pool's se
         int8_pool(backend, c, 64, block_size, sequences, 128, int8), int8_twins(backend, c, 64, block_size, sequences, 128, int8);
     std::vector<std::unique_ptr<KvCache>> batched, alone;
     std::vector<int> lengths, next;
+    // Prompts of 5 + 7i bytes, or under the sanitizer 5 + i (the harness's prefills were most of its time there):
+    // either way every offset in a block of 8, since 7 and 1 are both prime to 8.
+    const int length_step = test::sanitizer_run() ? 1 : 7;
     for (int i = 0; i < sequences; ++i) {
       if (i == 3) {
         batched.push_back(std::make_unique<ch03::PreallocatedKvCache>(backend, c, 128));
@@ -484,7 +491,7 @@ TEST_CASE("batched decode through pools: one cache write a layer for a pool's se
         batched.push_back(std::make_unique<ch08::PagedSequence>(coded ? int8_pool : fp32_pool));
         alone.push_back(std::make_unique<ch08::PagedSequence>(coded ? int8_twins : fp32_twins));
       }
-      const std::vector<int> prompt = encode_bytes(text.substr(std::size_t(i) * 150, std::size_t(5 + 7 * i)));
+      const std::vector<int> prompt = encode_bytes(text.substr(std::size_t(i) * 150, std::size_t(5 + length_step * i)));
       model.forward(prompt, 0, batched[i].get());
       next.push_back(argmax(model.forward(prompt, 0, alone[i].get())));
       lengths.push_back(static_cast<int>(prompt.size()));  // 5, 12, ... 54: steps from each offset in a block of 8
