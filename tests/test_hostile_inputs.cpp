@@ -95,7 +95,7 @@ TEST_CASE("results: a CSV that cannot be written is an error, not 'wrote'") {
 }
 
 // Checked when the run starts (Runtime), not when its results are written: a chapter that printed its setup or
-// ran an experiment first (04, 05, 06, 09 and 10 did) would say more than the one line, or waste the run.
+// ran an experiment first (04, 05, 06, 08, 09 and 10 did) would say more than the one line, or waste the run.
 TEST_CASE("results: --csv into a folder that does not exist is refused before anything runs, in one line") {
   for (const Binary& b : every_binary()) {
     CAPTURE(b.name);
