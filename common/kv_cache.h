@@ -176,8 +176,9 @@ class KvCache {
   // Where write(layer, pos, n, ...) puts the rows, when that write is exactly one Backend::write_key_value_rows
   // with these arguments (after the checks write() makes): the model may then have the rows stored by the
   // products that compute them (Backend::Product::cache_rows; on a GPU the layer's write is then no launch of its
-  // own) and not call write(). nullopt (the default): the model calls write().
-  virtual std::optional<RowsWrite> rows_write(int /*layer*/, int /*pos*/, int /*n*/) const { return std::nullopt; }
+  // own) and not call write(). nullopt (the default): the model calls write(). Not const: it hands out the rows to
+  // write.
+  virtual std::optional<RowsWrite> rows_write(int /*layer*/, int /*pos*/, int /*n*/) { return std::nullopt; }
   // What this layer's attention reads; includes the positions just written.
   virtual KvView view(int layer) const = 0;
   // Positions cached so far: the next forward pass starts here (0 for a fresh cache).

@@ -49,10 +49,9 @@ class PreallocatedKvCache final : public KvCache {
     backend_.write_key_value_rows(rows.keys, rows.values, rows.row_stride, positions, rows.ring, k, v, n, kv_dim_);
   }
   // The same write, for the model to have the products that compute k and v store it (backend.h, Product).
-  std::optional<RowsWrite> rows_write(int layer, int pos, int n) const override {
+  std::optional<RowsWrite> rows_write(int layer, int pos, int n) override {
     check_write("PreallocatedKvCache", layer, n_layers_, pos, n, length_);
-    float* storage = const_cast<float*>(storage_.data());  // the rows are written through the backend, not here
-    return RowsWrite{storage + block(layer, 0), storage + block(layer, 1), kv_dim_, Ring::unbounded()};
+    return RowsWrite{storage_.data() + block(layer, 0), storage_.data() + block(layer, 1), kv_dim_, Ring::unbounded()};
   }
 
   // The whole block, every allocated row, whatever the length: the rows past a query's position are in its
