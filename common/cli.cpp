@@ -99,15 +99,46 @@ const ArgParser::Flag* ArgParser::find(const std::string& name) const {
   return nullptr;
 }
 
+// Breaks one line of help at spaces so that none passes kHelpWidth columns (where a word allows), the lines
+// after the first indented by `hang` columns; the spacing inside a line is kept (tables line up by it).
+// 110 columns fit the terminals help is usually read in.
+static std::string wrap_line(std::string line, std::size_t hang) {
+  constexpr std::size_t kHelpWidth = 110;
+  std::string out;
+  while (line.size() > kHelpWidth) {
+    std::size_t cut = line.rfind(' ', kHelpWidth);
+    if (cut == std::string::npos || cut <= hang) cut = line.find(' ', kHelpWidth);  // a word longer than a line
+    if (cut == std::string::npos) break;
+    out += line.substr(0, line.find_last_not_of(' ', cut) + 1) + "\n";
+    line = std::string(hang, ' ') + line.substr(std::min(line.find_first_not_of(' ', cut), line.size()));
+  }
+  return out + line;
+}
+
 std::string ArgParser::usage() const {
   std::ostringstream out;
-  out << "usage: " << program_ << " [options]\n\n" << description_ << "\n\noptions:\n";
+  out << "usage: " << program_ << " [options]\n\n";
+  // The description keeps its author's line breaks (tables, lists); a line too long is wrapped at its own
+  // indentation, or, in a "  name    text" table row, under the text.
+  std::istringstream lines(description_);
+  for (std::string line; std::getline(lines, line);) {
+    const std::size_t indent = std::min(line.find_first_not_of(' '), line.size());
+    std::size_t hang = indent;
+    if (const std::size_t gap = line.find("  ", indent); indent > 0 && gap < 20)
+      hang = std::min(line.find_first_not_of(' ', gap), line.size());
+    out << wrap_line(line, hang) << "\n";
+  }
+  out << "\noptions:\n";
+  // An option's help is one paragraph, reflowed beside the flag's name.
+  constexpr std::size_t kHelpColumn = 25;
   out << "  --help                 print this help and exit\n";
   for (const Flag& f : flags_) {
     std::string left = "  " + f.name + (f.value_name.empty() ? "" : " " + f.value_name);
-    if (left.size() < 25) left.resize(25, ' ');
-    else left += "\n" + std::string(25, ' ');
-    out << left << f.help << "\n";
+    if (left.size() < kHelpColumn) left.resize(kHelpColumn, ' ');
+    else out << left << "\n", left = std::string(kHelpColumn, ' ');
+    std::string help = f.help;
+    std::replace(help.begin(), help.end(), '\n', ' ');
+    out << wrap_line(left + help, kHelpColumn) << "\n";
   }
   return out.str();
 }

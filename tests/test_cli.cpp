@@ -1,7 +1,9 @@
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -44,6 +46,43 @@ TEST_CASE("cli: the common flags parse, in both --flag value and --flag=value fo
   CHECK(p.options.threads == 1);
   CHECK(p.options.csv == "x.csv");
   CHECK(parse({"--help"}).outcome.help);
+}
+
+TEST_CASE("cli: --help wraps long lines at 110 columns, under the text they continue, and keeps tables aligned") {
+  std::string unused;
+  const std::string long_word(120, 'w');
+  ArgParser parser("prog",
+                   "A first line that is short.\n"
+                   "  name      " + std::string(60, 'a') + " " + std::string(60, 'b') + "\n"
+                   "  also      kept as it is\n"
+                   "  long      " + long_word + "\n"
+                   "plain " + long_word);
+  parser.add_string("--flag", "X", std::string(50, 'c') + "\n" + std::string(50, 'd') + " " + std::string(30, 'e'),
+                    &unused);
+  parser.add_string("--a-flag-longer-than-its-column", "VALUE", "short help", &unused);
+  std::vector<std::string> lines;
+  std::istringstream usage(parser.usage());
+  for (std::string line; std::getline(usage, line);) lines.push_back(line);
+  const auto line_of = [&](const std::string& text) {
+    const auto it = std::find_if(lines.begin(), lines.end(), [&](const std::string& l) { return l.find(text) != std::string::npos; });
+    REQUIRE(it != lines.end());
+    return std::size_t(it - lines.begin());
+  };
+  const std::size_t row = line_of("  name      a");
+  CHECK(lines[row] == "  name      " + std::string(60, 'a'));
+  CHECK(lines[row + 1] == std::string(12, ' ') + std::string(60, 'b'));  // under the text, not the name
+  CHECK(lines[row + 2] == "  also      kept as it is");                 // the spacing of a short line is kept
+  CHECK(lines[row + 3] == "  long      " + long_word);  // never cut inside the name's indentation
+  const std::size_t plain = line_of("plain");
+  CHECK(lines[plain] == "plain");
+  CHECK(lines[plain + 1] == long_word);  // a word longer than a line is not cut
+  // An option's help is one paragraph: the author's line break is reflowed, continuations start at column 25.
+  const std::size_t flag = line_of("--flag X");
+  CHECK(lines[flag] == "  --flag X               " + std::string(50, 'c'));
+  CHECK(lines[flag + 1] == std::string(25, ' ') + std::string(50, 'd') + " " + std::string(30, 'e'));  // 106 columns
+  const std::size_t longer = line_of("--a-flag-longer");
+  CHECK(lines[longer] == "  --a-flag-longer-than-its-column VALUE");
+  CHECK(lines[longer + 1] == std::string(25, ' ') + "short help");
 }
 
 TEST_CASE("cli: unknown flags and bad values are named in the error") {

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -83,6 +84,21 @@ std::string write_long_context_model(const TempDir& dir) {
 }
 
 }  // namespace
+
+TEST_CASE("--help: every binary's fits 110 columns, exits 0 and writes nothing to stderr") {
+  for (const Binary& b : every_binary()) {
+    CAPTURE(b.name);
+    const auto r = run_command(binary(b.name) + " --help");
+    CHECK(r.exit_code == 0);
+    CHECK(r.err.empty());
+    CHECK(r.out.rfind("usage: " + b.name, 0) == 0);
+    std::istringstream lines(r.out);
+    for (std::string line; std::getline(lines, line);) {
+      CAPTURE(line);
+      CHECK(line.size() <= 110);
+    }
+  }
+}
 
 TEST_CASE("results: a CSV that cannot be written is an error, not 'wrote'") {
   for (const Binary& b : every_binary()) {
