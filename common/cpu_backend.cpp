@@ -326,7 +326,9 @@ void few_token_product(float* out, int out_stride, const float* x, int n, int d_
 // Nothing process-wide is set here: two backends in one process must not change each other's thread count.
 // Each backend owns its team of threads; Eigen itself always runs on the calling thread.
 CpuBackend::CpuBackend(int threads)
-    : threads_(threads > 0 ? threads : available_cores()), pool_(std::make_unique<WorkerPool>(threads_)) {}
+    : pool_(std::make_unique<WorkerPool>(threads > 0 ? threads : available_cores())) {}
+
+int CpuBackend::threads() const { return pool_->threads(); }
 
 CpuBackend::~CpuBackend() {
   for (float* w : weights_) release(w);
@@ -387,7 +389,7 @@ void CpuBackend::to_host(int* host, const int* src, std::size_t count) {
 }
 
 std::string CpuBackend::describe() const {
-  return std::string(name()) + ", " + std::to_string(threads_) + " thread" + (threads_ > 1 ? "s" : "");
+  return std::string(name()) + ", " + std::to_string(threads()) + " thread" + (threads() > 1 ? "s" : "");
 }
 
 void CpuBackend::copy(float* dst, const float* src, std::size_t floats) {
@@ -485,7 +487,7 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
           observe_weights(weights + std::size_t(h) * kv.rows, kv.rows, scratch.data() + h * head_stride, run_begin, run_rows);
     };
     const std::int64_t multiply_adds = 2 * std::int64_t(run_rows) * shape.n_heads * head_dim;
-    if (threads_ > 1 && multiply_adds >= kTaskMultiplyAdds) pool_->run(shape.n_kv_heads, [&](int kv_head) { kv_heads(kv_head, 1); });
+    if (threads() > 1 && multiply_adds >= kTaskMultiplyAdds) pool_->run(shape.n_kv_heads, [&](int kv_head) { kv_heads(kv_head, 1); });
     else kv_heads(0, shape.n_kv_heads);  // one sweep reads each row once
     return;
   }
@@ -675,7 +677,7 @@ void CpuBackend::attention_batch(float* out, const float* q, const int* position
                 head_stride);
     }
   };
-  if (threads_ > 1 && multiply_adds >= kTaskMultiplyAdds) pool_->run(tasks, task);
+  if (threads() > 1 && multiply_adds >= kTaskMultiplyAdds) pool_->run(tasks, task);
   else for (int t = 0; t < tasks; ++t) task(t);
 }
 

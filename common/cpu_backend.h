@@ -20,7 +20,7 @@ class CpuBackend final : public Backend {
   const char* name() const override { return "cpu (Eigen)"; }
   std::string describe() const override;
   bool host_memory() const override { return true; }
-  int threads() const { return threads_; }
+  int threads() const;  // the size of the team this backend started, not the number it was asked for
 
   float* allocate(std::size_t floats) override;
   void release(float* p) override;
@@ -73,7 +73,6 @@ class CpuBackend final : public Backend {
   void scatter_rows(float* rows, int row_stride, const int* positions, Where where, const float* src, int n, int width);
   template <typename Where>
   void encode_rows(const CodedRows& rows, const int* positions, Where where, const float* src, int n);
-  int threads_;
   std::unique_ptr<WorkerPool> pool_;
   std::vector<float*> weights_;  // uploaded weights, released with the backend
   std::int64_t weight_bytes_ = 0;

@@ -162,6 +162,36 @@ TEST_CASE("masking rule: causal, with a window of W keys including the query's o
     }
 }
 
+// Chapter 04's read-time rotation, checked against its definition rather than against a second caller of the
+// same functions (every model-level test of the within-window variant uses them on both sides).
+TEST_CASE("within-window positions: sinks at 0..s-1, the recent keys after them in order, the query last") {
+  CHECK(rotary_query_position(100, {}) == 100);  // no window: absolute positions
+  CHECK(rotary_key_position(100, 37, {}) == 37);
+  // window 8 with 2 sinks at query 20: keys 0, 1 (sinks) and 15..20 (the 6 most recent) rotate to 0..7
+  CHECK(rotary_query_position(20, {8, 2}) == 7);
+  CHECK(rotary_key_position(20, 0, {8, 2}) == 0);
+  CHECK(rotary_key_position(20, 1, {8, 2}) == 1);
+  CHECK(rotary_key_position(20, 15, {8, 2}) == 2);
+  CHECK(rotary_key_position(20, 20, {8, 2}) == 7);
+  // Every query, before and after the first eviction: its visible keys, in order of position, take the
+  // rotary positions 0, 1, 2, ... with the query's own key last and equal to the query's; a recent key's
+  // distance to the query is the true one.
+  for (const Window w : {Window{1, 0}, Window{5, 0}, Window{5, 1}, Window{8, 2}, Window{8, 4}, Window{7, 6}})
+    for (int q = 0; q < 40; ++q) {
+      CAPTURE(w.size);
+      CAPTURE(w.sinks);
+      CAPTURE(q);
+      CHECK(rotary_query_position(q, w) == std::min(q, w.size - 1));
+      int expected = 0;
+      for (int k = 0; k <= q; ++k) {
+        if (!key_visible(q, k, w)) continue;
+        CHECK(rotary_key_position(q, k, w) == expected++);
+        if (k >= w.sinks) CHECK(rotary_query_position(q, w) - rotary_key_position(q, k, w) == q - k);
+      }
+      CHECK(expected - 1 == rotary_query_position(q, w));
+    }
+}
+
 TEST_CASE("resident memory: pages are resident once written, not when allocated") {
   // A fresh anonymous mapping, as malloc gives for large blocks: nothing resident until written.
   CpuBackend backend(1);

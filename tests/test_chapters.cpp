@@ -121,7 +121,10 @@ TEST_CASE("chapter 03: the cache is exactly the formula, decode allocates nothin
   CHECK(r.err.find("= 2 * 2 * 1 * 4 * 16 * 50 * 4 = 51200 bytes") != std::string::npos);
   CHECK(r.err.find("allocated by the cache: 51200 bytes (equal to the formula)") != std::string::npos);
   CHECK(r.err.find("heap allocations during the 29 decode steps: 0") != std::string::npos);
-  CHECK(r.err.find("chunked prefill (C = 7) vs one-shot prefill: largest logit difference") != std::string::npos);
+  const std::string agree = "chunked prefill (C = 7) vs one-shot prefill: largest logit difference ";
+  const std::size_t at = r.err.find(agree);
+  REQUIRE(at != std::string::npos);
+  CHECK(std::stod(r.err.substr(at + agree.size())) <= 1e-3);  // kLogitTolerance (equivalence.h)
   CHECK(r.err.find("context wall") != std::string::npos);
 
   const auto bad = run_command(binary("03_preallocated_cache") + " --model " + golden_path("mha.bin") +
@@ -329,7 +332,7 @@ TEST_CASE("03_benchmark: a small sweep runs, every cache matches naive, and the 
   CHECK(no_room.err.find("--max-new-tokens 96 leaves no room for a prompt in the model's context of 96") != std::string::npos);
 }
 
-TEST_CASE("03_benchmark --breakdown: one row per length, the parts add up to the step, and sweep-only flags are refused") {
+TEST_CASE("03_benchmark --breakdown: one row per length, every part of the step measured, and sweep-only flags are refused") {
   kvs::test::TempDir dir;
   const std::string csv = dir.file("breakdown.csv");
   const std::string bench = binary("03_benchmark") + " --model " + golden_path("mha.bin") + " --threads 1";
@@ -360,6 +363,7 @@ TEST_CASE("03_benchmark --breakdown: one row per length, the parts add up to the
     CHECK(f[1] > 0);
     CHECK(f[4] > 0);
     CHECK(f[5] > 0);
+    CHECK(f[6] > 0);   // norms, RoPE, adds, SwiGLU: "other"
     CHECK(f[10] > 0);  // a measured bandwidth
     CHECK(f[12] == 17 * 2 + 6);  // operations per decode step: 17 per layer (2 here) and 6 more (see book/07)
     CHECK(f[13] == 0);           // the CPU backend cannot record a step

@@ -113,14 +113,26 @@ TEST_CASE("kv formats: int4 with a scale and a minimum a group, within (max - mi
       }
     }
   }
-  // The point of groups: an outlier in one group leaves the others' error where it was.
+  // The point of groups: an outlier in one group leaves the others' error where it was - through a row's
+  // layout (codes and scales, encode_group and decode), where a scale read from the wrong group would show.
   std::vector<float> row = test_rows(64)[0], spiked = row;
   spiked[3] = 80.0f;
-  std::vector<std::uint8_t> a(4), b(4);
-  for (int start = 8; start < 64; start += 8) {
-    const Int4Group ga = quantize_int4(row.data() + start, 8, a.data()), gb = quantize_int4(spiked.data() + start, 8, b.data());
-    for (int i = 0; i < 8; ++i) CHECK(dequantize_int4(a.data(), i, ga) == dequantize_int4(b.data(), i, gb));
-  }
+  const auto decoded = [](const std::vector<float>& x) {
+    std::vector<std::uint8_t> codes(32);
+    std::vector<float> scales(16), back(64);
+    const CodedRows rows{.format = KvFormat::kInt4, .codes = codes.data(), .scales = scales.data(), .width = 64, .group = 8};
+    for (int g = 0; g < rows.groups(); ++g) rows.encode_group(0, g, x.data() + g * 8);
+    for (int i = 0; i < 64; ++i) back[i] = rows.decode(0, i);
+    return back;
+  };
+  const std::vector<float> plain = decoded(row), outlier = decoded(spiked);
+  for (int i = 8; i < 64; ++i) CHECK(outlier[i] == plain[i]);  // the other 7 groups: the same numbers back
+  float plain_error = 0, outlier_error = 0;                      // the outlier's own group: coarser
+  for (int i = 0; i < 8; ++i)
+    if (i != 3)
+      plain_error = std::max(plain_error, std::fabs(plain[i] - row[i])),
+      outlier_error = std::max(outlier_error, std::fabs(outlier[i] - row[i]));
+  CHECK(outlier_error > 4 * plain_error);
   for (float bad : {std::nanf(""), -std::numeric_limits<float>::infinity()}) {
     std::vector<float> bad_row(8, 1.0f);
     bad_row[5] = bad;
