@@ -426,6 +426,9 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
       check(group8, consecutive(rows, 0), false, 0, {}, rows - 1, 1);
       check(group5, consecutive(rows, 0), false, 0, {}, rows - 1, 1);
     }
+    // Past 64 chunks of 64 rows (4,096) the chunks grow: 4,200 rows are 64 chunks of 66 rows, the last of 42
+    // (chunks of 64 would be 66, more than the merge's kMaxSplits).
+    check(group8, consecutive(4200, 0), false, 0, {}, 4199, 1);
     // Prefill: causal over the whole prompt, and a chunk after a cached prefix.
     check(gqa, consecutive(70, 0), false, 0, {}, 0, 70);
     check(mha, consecutive(257, 0), false, 0, {}, 193, 64);

@@ -70,15 +70,18 @@ __global__ void barrier_in_branch(float* out) {
   out[threadIdx.x] = 1.0f;
 }
 
-__global__ void shuffles(int* down, int* up, int* xor16, int* broadcast, unsigned* ballot, int* any_all) {
+__global__ void shuffles(int* down, int* up, int* xor16, int* xor_later, int* broadcast, unsigned* ballot, int* any_all) {
   KVS_WAIT_FOR_PREVIOUS_KERNEL();
   const int lane = static_cast<int>(threadIdx.x);
   down[lane] = __shfl_down_sync(kFullMask, lane, 3);
   up[lane] = __shfl_up_sync(kFullMask, lane, 2, 16);
   xor16[lane] = __shfl_xor_sync(kFullMask, lane, 8, 16);
+  xor_later[lane] = __shfl_xor_sync(kFullMask, lane, 16, 16);  // a later segment: own value; an earlier one: read
   broadcast[lane] = __shfl_sync(kFullMask, lane * 10, 5);
   ballot[lane] = __ballot_sync(kFullMask, lane % 3 == 0);
-  any_all[lane] = __any_sync(kFullMask, lane == 7) * 2 + __all_sync(kFullMask, lane < 32);
+  // One bit per vote: any of one lane, any of none, all of every lane, all but one lane.
+  any_all[lane] = __any_sync(kFullMask, lane == 7) * 8 + __any_sync(kFullMask, 0) * 4 +
+                  __all_sync(kFullMask, lane < 32) * 2 + __all_sync(kFullMask, lane != 7);
 }
 
 // Each block adds its blockIdx.x + 1 into one counter; dynamic shared memory is read before it is written.
@@ -146,10 +149,12 @@ TEST_CASE("cuda harness: the same reduction without its barriers gives a wrong s
 }
 
 TEST_CASE("cuda harness: warp shuffles and votes return what CUDA defines") {
-  DeviceArray<int> down(32), up(32), xor16(32), broadcast(32), any_all(32);
+  DeviceArray<int> down(32), up(32), xor16(32), xor_later(32), broadcast(32), any_all(32);
   DeviceArray<unsigned> ballot(32);
-  KVS_LAUNCH(shuffles, dim3(1), dim3(32), 0, nullptr, down.p, up.p, xor16.p, broadcast.p, ballot.p, any_all.p);
-  const auto d = down.host(), u = up.host(), x = xor16.host(), b = broadcast.host(), a = any_all.host();
+  KVS_LAUNCH(shuffles, dim3(1), dim3(32), 0, nullptr, down.p, up.p, xor16.p, xor_later.p, broadcast.p, ballot.p,
+             any_all.p);
+  const auto d = down.host(), u = up.host(), x = xor16.host(), xl = xor_later.host(), b = broadcast.host(),
+             a = any_all.host();
   const auto v = ballot.host();
   unsigned expected_ballot = 0;
   for (int lane = 0; lane < 32; lane += 3) expected_ballot |= 1u << lane;
@@ -158,9 +163,10 @@ TEST_CASE("cuda harness: warp shuffles and votes return what CUDA defines") {
     CHECK(d[lane] == (lane + 3 < 32 ? lane + 3 : lane));        // past the warp's end: own value
     CHECK(u[lane] == (lane % 16 >= 2 ? lane - 2 : lane));       // segments of 16 lanes
     CHECK(x[lane] == (lane ^ 8));
+    CHECK(xl[lane] == (lane < 16 ? lane : lane - 16));
     CHECK(b[lane] == 50);
     CHECK(v[lane] == expected_ballot);
-    CHECK(a[lane] == 3);
+    CHECK(a[lane] == 8 + 2);
   }
 }
 

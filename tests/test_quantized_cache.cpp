@@ -280,7 +280,7 @@ TEST_CASE("cuda kernels and the CPU: attention over a coded view equals the refe
         for (int head_dim : {32, 24}) {
           const AttentionShape shape{4, 2, head_dim};
           check_coded_attention(b, format, layout, shape, 8, 70, 69, 1);    // a decode step
-          check_coded_attention(b, format, layout, shape, 8, 70, 30, 40);   // prefill, several query blocks of the GPU
+          check_coded_attention(b, format, layout, shape, 8, 70, 30, 40);   // prefill: the GPU's keys in 2 tiles of 64
           if (layout == Layout::kContiguous) check_coded_attention(b, format, layout, shape, head_dim, 70, 69, 1);  // int4 group = head
         }
     // KIVI's per-channel keys: groups of 16 (three coded, 22 open rows) and of 8 (eight coded, 6 open).

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <iomanip>
 #include <sstream>
 #include <string>
 
@@ -95,8 +96,10 @@ void evaluator_equals_pytorch(const std::string& name) {
   Model model(checkpoint, backend);
   const std::string text = test::validation_text().substr(0, bytes);
   const Perplexity p = evaluate_perplexity(model, encode_bytes(text), context);
-  MESSAGE(name << ": C++ " << p.bits_per_byte << " bits/byte, PyTorch " << reference);
-  CHECK(std::abs(p.bits_per_byte - reference) < 0.01);
+  MESSAGE(name << ": C++ " << std::setprecision(8) << p.bits_per_byte << " bits/byte, PyTorch " << reference);
+  // The reference is written to 6 decimals (rounding: 5e-7) and the logits agree with PyTorch's to ~1e-5, which
+  // moves bits per byte by ~1e-6; one of the 8,191 predictions dropped or counted twice moves it by ~2e-4.
+  CHECK(std::abs(p.bits_per_byte - reference) < 1e-5);
   CHECK(p.predicted == bytes - 1);
   CHECK(p.perplexity == doctest::Approx(std::exp2(p.bits_per_byte)));
 }
