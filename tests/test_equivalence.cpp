@@ -17,6 +17,9 @@
 #include "02_dynamic_cache/growing_kv_cache.h"
 #include "03_preallocated_cache/malloc_counter.h"
 #include "03_preallocated_cache/preallocated_kv_cache.h"
+#include "04_sliding_window/sliding_window_kv_cache.h"
+#include "08_paged_batching/paged_kv_cache.h"
+#include "10_quantized_cache/quantized_kv_cache.h"
 #include "cli.h"
 #include "cpu_backend.h"
 #include "equivalence.h"
@@ -208,6 +211,61 @@ TEST_CASE("decode allocates nothing: no heap allocation in 50 decode steps, on 1
     std::vector<float> v(1000);
     CHECK(heap_allocations() > probe);
     CHECK(v.size() == 1000);
+  }
+}
+
+// The later chapters' caches keep the rule: chapter 04's ring (both position variants), chapter 10's coded caches
+// (KIVI's open group of keys included), and a batch of chapter 08's paged sequences, fp32 and int8 pools, whose
+// steps take blocks from the pool (a block table reserved up front, never grown on the heap).
+TEST_CASE("decode allocates nothing through the later chapters' caches, a batch of paged sequences included") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const ModelConfig& c = checkpoint.config();
+  CpuBackend backend(2);
+  Model model(checkpoint, backend, 128, 256);
+  const std::vector<int> prompt = encode_bytes(validation_text().substr(0, 100));
+  auto decode_allocations = [&](KvCache& cache) {
+    int token = argmax(model.forward(prompt, 0, &cache));
+    token = argmax(model.forward(std::span<const int>(&token, 1), 100, &cache));  // the first step may allocate
+    const long before = heap_allocations();
+    for (int pos = 101; pos < 160; ++pos) token = argmax(model.forward(std::span<const int>(&token, 1), pos, &cache));
+    return heap_allocations() - before;
+  };
+  SUBCASE("chapter 04: a window of 32 with 4 sinks, its ring of 131 slots wrapping") {
+    ch04::SlidingWindowKvCache absolute(backend, c, {32, 4}, 100), within(backend, c, {32, 4}, 100,
+                                                                         ch04::KeyPositions::kWithinWindow);
+    CHECK(decode_allocations(absolute) == 0);
+    CHECK(decode_allocations(within) == 0);
+  }
+  SUBCASE("chapter 10: int8, int4 and KIVI's per-channel keys") {
+    for (const auto& [format, keys] : {std::pair{KvFormat::kInt8, ch10::Keys::kPerToken},
+                                       std::pair{KvFormat::kInt4, ch10::Keys::kPerToken},
+                                       std::pair{KvFormat::kInt4, ch10::Keys::kPerChannel}}) {
+      CAPTURE(int(format));
+      CAPTURE(int(keys));
+      ch10::QuantizedKvCache cache(backend, c, 160, format, 32, keys);
+      CHECK(decode_allocations(cache) == 0);
+    }
+  }
+  SUBCASE("chapter 08: 8 paged sequences in one batch, blocks of 8 taken as they fill") {
+    ch08::BlockPool fp32_pool(backend, c, 200, 8, 8, 256), int8_pool(backend, c, 200, 8, 8, 256, {KvFormat::kInt8});
+    std::vector<std::unique_ptr<ch08::PagedSequence>> caches;
+    std::vector<int> next(8);
+    std::vector<SequenceStep> batch;
+    for (int i = 0; i < 8; ++i) {
+      caches.push_back(std::make_unique<ch08::PagedSequence>(i % 2 ? int8_pool : fp32_pool));
+      const std::span<const int> own_prompt(prompt.data(), std::size_t(90 + i));  // every offset in a block of 8
+      next[i] = argmax(model.forward(own_prompt, 0, caches[i].get()));
+      batch.push_back({std::span(next).subspan(std::size_t(i), 1), 90 + i, caches[i].get()});
+    }
+    auto step = [&] {
+      const std::span<const float> logits = model.forward(batch);
+      for (int i = 0; i < 8; ++i) next[i] = argmax(logits.subspan(std::size_t(i) * c.vocab_size, c.vocab_size));
+      for (SequenceStep& s : batch) ++s.pos;
+    };
+    step();  // the first batched step may allocate
+    const long before = heap_allocations();
+    for (int k = 0; k < 40; ++k) step();  // 5 blocks taken by every sequence
+    CHECK(heap_allocations() - before == 0);
   }
 }
 
