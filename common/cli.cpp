@@ -104,13 +104,16 @@ const ArgParser::Flag* ArgParser::find(const std::string& name) const {
 // 110 columns fit the terminals help is usually read in.
 static std::string wrap_line(std::string line, std::size_t hang) {
   constexpr std::size_t kHelpWidth = 110;
+  line.erase(std::min(line.find_last_not_of(' ') + 1, line.size()));  // trailing spaces would wrap into blank lines
+  hang = std::min(hang, kHelpWidth / 2);  // half a line at least for the text: every cut below then shortens it
   std::string out;
   while (line.size() > kHelpWidth) {
     std::size_t cut = line.rfind(' ', kHelpWidth);
     if (cut == std::string::npos || cut <= hang) cut = line.find(' ', kHelpWidth);  // a word longer than a line
     if (cut == std::string::npos) break;
-    out += line.substr(0, line.find_last_not_of(' ', cut) + 1) + "\n";
-    line = std::string(hang, ' ') + line.substr(std::min(line.find_first_not_of(' ', cut), line.size()));
+    if (const std::size_t last = line.find_last_not_of(' ', cut); last != std::string::npos)
+      out += line.substr(0, last + 1) + "\n";  // (nothing but indentation before the cut: no line for it)
+    line = std::string(hang, ' ') + line.substr(line.find_first_not_of(' ', cut));
   }
   return out + line;
 }
@@ -119,7 +122,7 @@ std::string ArgParser::usage() const {
   std::ostringstream out;
   out << "usage: " << program_ << " [options]\n\n";
   // The description keeps its author's line breaks (tables, lists); a line too long is wrapped at its own
-  // indentation, or, in a "  name    text" table row, under the text.
+  // indentation, or, in a "  name    text" table row whose text starts within 20 columns, under the text.
   std::istringstream lines(description_);
   for (std::string line; std::getline(lines, line);) {
     const std::size_t indent = std::min(line.find_first_not_of(' '), line.size());

@@ -20,7 +20,7 @@ class CpuBackend final : public Backend {
   const char* name() const override { return "cpu (Eigen)"; }
   std::string describe() const override;
   bool host_memory() const override { return true; }
-  int threads() const;  // the size of the team this backend started, not the number it was asked for
+  int threads() const;  // the size of the team it started (every core when asked for 0)
 
   float* allocate(std::size_t floats) override;
   void release(float* p) override;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Rerun every experiment behind plots/data/*.csv (chapter 03's speed sweep and breakdown, then chapters 04-10's
 # experiments, on the shipped model and the copying model), overwriting those CSVs, and redraw every figure
-# (plots/*.png) from them. On 2 cores it took 9.4 minutes from a fresh clone (2026-11-26): 3 to build, 6.3 to
+# (plots/*.png) from them. On 2 cores it took 9.4 minutes from a fresh clone (2026-11-26): 3.1 to build, 6.3 to
 # run; nothing else should run meanwhile, or the timings mean little. Arguments are added to every run
 # (for instance --memory-limit 4GiB): a flag that one of the binaries refuses, or that a run already sets,
 # stops the script there.

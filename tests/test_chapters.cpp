@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "checkpoint.h"
+#include "equivalence.h"
 #include "test_backends.h"
 #include "test_util.h"
 
@@ -124,7 +125,7 @@ TEST_CASE("chapter 03: the cache is exactly the formula, decode allocates nothin
   const std::string agree = "chunked prefill (C = 7) vs one-shot prefill: largest logit difference ";
   const std::size_t at = r.err.find(agree);
   REQUIRE(at != std::string::npos);
-  CHECK(std::stod(r.err.substr(at + agree.size())) <= 1e-3);  // kLogitTolerance (equivalence.h)
+  CHECK(std::stod(r.err.substr(at + agree.size())) <= kvs::kLogitTolerance);
   CHECK(r.err.find("context wall") != std::string::npos);
 
   const auto bad = run_command(binary("03_preallocated_cache") + " --model " + golden_path("mha.bin") +

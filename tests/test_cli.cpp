@@ -56,7 +56,10 @@ TEST_CASE("cli: --help wraps long lines at 110 columns, under the text they cont
                    "  name      " + std::string(60, 'a') + " " + std::string(60, 'b') + "\n"
                    "  also      kept as it is\n"
                    "  long      " + long_word + "\n"
-                   "plain " + long_word);
+                   "plain " + long_word + "\n" +
+                   std::string(150, ' ') + "\n" +              // nothing but spaces
+                   "  trailing" + std::string(120, ' ') + "\n" +  // a short line padded past the width
+                   std::string(120, ' ') + "deep words");        // indented past the width
   parser.add_string("--flag", "X", std::string(50, 'c') + "\n" + std::string(50, 'd') + " " + std::string(30, 'e'),
                     &unused);
   parser.add_string("--a-flag-longer-than-its-column", "VALUE", "short help", &unused);
@@ -76,6 +79,10 @@ TEST_CASE("cli: --help wraps long lines at 110 columns, under the text they cont
   const std::size_t plain = line_of("plain");
   CHECK(lines[plain] == "plain");
   CHECK(lines[plain + 1] == long_word);  // a word longer than a line is not cut
+  CHECK(lines[plain + 2].empty());
+  CHECK(lines[plain + 3] == "  trailing");
+  CHECK(lines[plain + 4] == std::string(55, ' ') + "deep words");  // continuations keep half a line for text
+  CHECK(lines[plain + 5].empty());                                  // the blank line before "options:"
   // An option's help is one paragraph: the author's line break is reflowed, continuations start at column 25.
   const std::size_t flag = line_of("--flag X");
   CHECK(lines[flag] == "  --flag X               " + std::string(50, 'c'));
