@@ -137,8 +137,12 @@ std::string ArgParser::usage() const {
   out << "  --help                 print this help and exit\n";
   for (const Flag& f : flags_) {
     std::string left = "  " + f.name + (f.value_name.empty() ? "" : " " + f.value_name);
-    if (left.size() < kHelpColumn) left.resize(kHelpColumn, ' ');
-    else out << left << "\n", left = std::string(kHelpColumn, ' ');
+    if (left.size() < kHelpColumn) {
+      left.resize(kHelpColumn, ' ');
+    } else {  // a name too long for its column: on a line of its own
+      out << left << "\n";
+      left = std::string(kHelpColumn, ' ');
+    }
     std::string help = f.help;
     std::replace(help.begin(), help.end(), '\n', ' ');
     out << wrap_line(left + help, kHelpColumn) << "\n";
