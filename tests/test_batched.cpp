@@ -712,6 +712,30 @@ TEST_CASE("scheduler: a request that can never fit is refused before anything ru
                     doctest::Contains("calls of 16 tokens"));
 }
 
+// A pool an experiment makes later (the memory experiment's max-length row, after five block sizes ran) or a
+// request no pool of the run can hold used to stop the experiment midway, after its setup and first rows.
+TEST_CASE("08_paged_batching: every pool of the experiment is checked before anything prints, in one line") {
+  const std::string bin = std::string(KVS_BIN_DIR) + "/08_paged_batching --model " + test::golden_path("mha.bin") +
+                          " --threads 1 --token-budget 32 --max-batch 4";  // mha.bin: 96 positions, 1 KiB each
+  struct Case {
+    std::string flags, error;
+  };
+  for (const Case& c : {Case{" --experiment memory --requests 4 --prompt-lengths 4,8 --output-lengths 2,3 --block-sizes 1,4,16 "
+                             "--kv-memory 40KiB",
+                             "holds no block of 96 positions"},  // the max-length row, after 1, 4 and 16
+                        Case{" --experiment preemption --requests 4 --prompt-lengths 40,40 --output-lengths 30,30 "
+                             "--block-size 4 --kv-memory 64KiB",
+                             "needs 70 positions of cache; the pool holds at most 64"},
+                        Case{" --requests 4 --prompt-lengths 90,90 --output-lengths 10,10", "past the 96 this model serves"}}) {
+    CAPTURE(c.flags);
+    const auto r = test::run_command(bin + c.flags);
+    CHECK(r.exit_code == 2);
+    CHECK(r.out.empty());
+    CHECK(r.err.find(c.error) != std::string::npos);
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  }
+}
+
 TEST_CASE("trace files: requests parsed, a malformed line named with its number") {
   const std::vector<Request> r = parse_trace("# comment\n\n0 5 And God said\n3 2 a\\nb \\\\ c\n", "t.txt");
   REQUIRE(r.size() == 2);

@@ -86,14 +86,39 @@ std::vector<std::vector<int>> outputs_of(const std::vector<RequestResult>& resul
 
 }  // namespace
 
-BlockPool make_pool(Setup& s, int block_size, std::int64_t bytes, int max_sequences) {
-  const ModelConfig& c = s.rt.model.config();
-  const std::int64_t per_block = BlockPool::block_bytes(c, block_size, s.format);
+namespace {
+// The blocks of `block_size` positions `bytes` hold (UsageError when not even one).
+int pool_blocks(const Setup& s, int block_size, std::int64_t bytes) {
+  const std::int64_t per_block = BlockPool::block_bytes(s.rt.model.config(), block_size, s.format);
   if (bytes < per_block)
     throw UsageError("--kv-memory " + format_bytes(double(bytes)) + " holds no block of " + std::to_string(block_size) +
                      " positions (" + format_bytes(double(per_block)) + "); give it more memory or use smaller blocks");
-  const std::int64_t blocks = std::min<std::int64_t>(bytes / per_block, 1 << 24);
-  return BlockPool(s.rt.backend, c, static_cast<int>(blocks), block_size, max_sequences, c.seq_len, s.format);
+  return static_cast<int>(std::min<std::int64_t>(bytes / per_block, 1 << 24));
+}
+}  // namespace
+
+BlockPool make_pool(Setup& s, int block_size, std::int64_t bytes, int max_sequences) {
+  const ModelConfig& c = s.rt.model.config();
+  return BlockPool(s.rt.backend, c, pool_blocks(s, block_size, bytes), block_size, max_sequences, c.seq_len, s.format);
+}
+
+void check_pools(const Setup& s, const std::string& experiment) {
+  const ModelConfig& c = s.rt.model.config();
+  std::vector<int> block_sizes = {s.block_size};
+  if (experiment == "memory") {
+    block_sizes = s.block_sizes;
+    block_sizes.push_back(c.seq_len);  // memory_waste's max-length reservation
+  }
+  for (int block_size : block_sizes) {
+    const int blocks = pool_blocks(s, block_size, s.kv_memory);
+    // Throughput draws requests of its own, per batch size; the others serve the trace (memory: a batch as
+    // large as the token budget).
+    if (experiment == "throughput") continue;
+    SchedulerOptions options = s.options;
+    if (experiment == "memory") options.max_batch = options.token_budget;
+    // As make_pool's pool would hold: its block tables are sized for the model's context.
+    check_requests(s.rt.model, std::min(blocks_needed(c.seq_len, block_size), blocks) * block_size, s.requests, options);
+  }
 }
 
 int serve_trace(Setup& s) {

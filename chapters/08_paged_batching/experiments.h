@@ -26,6 +26,10 @@ struct Setup {
 
 // A pool of as many blocks of `block_size` positions as `bytes` holds (UsageError when not even one).
 BlockPool make_pool(Setup& s, int block_size, std::int64_t bytes, int max_sequences);
+// Every pool of --kv-memory that `experiment` will make, checked before it prints or runs anything: one that holds
+// no block, or that a request of the trace could never fit, would otherwise stop it after its first rows.
+// Throws UsageError or std::invalid_argument (a request, named).
+void check_pools(const Setup& s, const std::string& experiment);
 
 int serve_trace(Setup& s);        // serve the trace once; every output checked against the request alone
 int throughput(Setup& s);         // decode step time and tokens/s per batch size, against the roofline

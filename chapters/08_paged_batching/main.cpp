@@ -145,8 +145,9 @@ int main(int argc, char** argv) {
                                        .max_batch = max_batch, .token_budget = token_budget,
                                        .watermark_blocks = watermark},
                            .batch_sizes = batch_list, .block_sizes = block_list, .rounds = rounds, .csv = options.csv};
-    std::cerr << rt.describe() << "\n";
     try {
+      kvs::ch08::check_pools(setup, experiment);
+      std::cerr << rt.describe() << "\n";
       if (experiment == "throughput") return kvs::ch08::throughput(setup);
       if (experiment == "memory") return kvs::ch08::memory_waste(setup);
       if (experiment == "batching") return kvs::ch08::batching(setup);

@@ -26,7 +26,9 @@ struct Running {
   int pending() const { return static_cast<int>(tokens.size()) - fed; }
 };
 
-void check_requests(const Model& model, const BlockPool& pool, const std::vector<Request>& requests,
+}  // namespace
+
+void check_requests(const Model& model, int pool_positions, const std::vector<Request>& requests,
                     const SchedulerOptions& options) {
   if (options.max_batch < 1 || options.token_budget < 1)
     throw std::invalid_argument("serve: a step needs room for at least one sequence and one token");
@@ -34,7 +36,6 @@ void check_requests(const Model& model, const BlockPool& pool, const std::vector
     throw std::invalid_argument("serve: a step of " + std::to_string(options.token_budget) + " tokens and " +
                                 std::to_string(options.max_batch) + " sequences; the model was set up for calls of " +
                                 std::to_string(model.max_tokens_per_call()) + " tokens");
-  const int per_sequence = std::min(pool.table_width() * pool.block_size(), pool.blocks() * pool.block_size());
   for (std::size_t i = 0; i < requests.size(); ++i) {
     const Request& r = requests[i];
     const long positions = long(r.prompt.size()) + r.max_new_tokens;
@@ -46,14 +47,12 @@ void check_requests(const Model& model, const BlockPool& pool, const std::vector
       throw std::invalid_argument("serve: " + which + " needs " + std::to_string(positions) + " positions, past the " +
                                   std::to_string(std::min(model.config().seq_len, model.max_kv_rows())) +
                                   " this model serves");
-    if (positions > per_sequence)
+    if (positions > pool_positions)
       throw std::invalid_argument("serve: " + which + " needs " + std::to_string(positions) +
-                                  " positions of cache; the pool holds at most " + std::to_string(per_sequence) +
+                                  " positions of cache; the pool holds at most " + std::to_string(pool_positions) +
                                   " for one sequence: give it more memory");
   }
 }
-
-}  // namespace
 
 void check_block_ownership(const BlockPool& pool, const std::vector<const PagedSequence*>& sequences,
                            std::vector<int>& holders) {
@@ -98,7 +97,7 @@ std::size_t first_difference(const std::vector<int>& a, const std::vector<int>& 
 RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>& requests, const SchedulerOptions& options,
                std::vector<RequestResult>& results, const OnStep& on_step) {
   BlockPool& pool = caches.pool();
-  check_requests(model, pool, requests, options);
+  check_requests(model, pool_positions(pool), requests, options);
   const int count = static_cast<int>(requests.size());
   results.assign(requests.size(), RequestResult{});
   std::vector<int> arrival_order(requests.size());  // requests by arrival step, ties in file order

@@ -16,6 +16,7 @@
 //   4. each sequence whose prompt is all in the cache samples its next token (greedy); a sequence that has
 //      its max_new_tokens finishes and gives its blocks back.
 // Steps are the clock requests arrive by (Request::arrival_step); wall times are measured.
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <span>
@@ -135,6 +136,16 @@ struct RunStats {
 
 // After every step: the run so far, and how many requests have finished.
 using OnStep = std::function<void(const RunStats& stats, int finished, int requests)>;
+
+// Throws std::invalid_argument naming the first request that could never run (no prompt, no new tokens, longer
+// than the model serves, or than the `pool_positions` one sequence of the pool may hold), or a step the model
+// cannot take. serve() calls it; an experiment calls it first for every pool it will make, before it runs any.
+void check_requests(const Model& model, int pool_positions, const std::vector<Request>& requests,
+                    const SchedulerOptions& options);
+// The positions one sequence of `pool` may hold: its block table's width or the whole pool, the smaller.
+inline int pool_positions(const BlockPool& pool) {
+  return std::min(pool.table_width(), pool.blocks()) * pool.block_size();
+}
 
 // Serves `requests` through `model` with the caches of `caches`, writes each request's result (same order), and
 // returns the run's statistics. A request the pool or the model can never hold (its prompt plus
