@@ -36,11 +36,17 @@ void check_output_path(const NamedPath& output, const std::vector<NamedPath>& ot
 }
 
 CsvWriter::CsvWriter(NamedPath output, std::string header, const std::vector<NamedPath>& others)
-    : output_(std::move(output)), header_(std::move(header)) {
+    : output_(std::move(output)), others_(others), header_(std::move(header)) {
   if (!enabled()) return;
   check_output_path(output_, others);
   ReplacingFile probe(output_.path, output_.flag + " " + output_.path);  // fails now if the folder takes no
                                                                           // new file (read-only, /proc)
+}
+
+std::vector<NamedPath> CsvWriter::taken() const {
+  std::vector<NamedPath> paths = others_;
+  paths.push_back(output_);
+  return paths;
 }
 
 std::string CsvWriter::quoted(const std::string& text) {

@@ -39,6 +39,8 @@ class CsvWriter {
 
   bool enabled() const { return !output_.path.empty(); }
   const std::string& path() const { return output_.path; }
+  // The paths a further output of the run must not be: this writer's `others` and its own output.
+  std::vector<NamedPath> taken() const;
 
  private:
   template <typename T>
@@ -50,6 +52,7 @@ class CsvWriter {
   static std::string quoted(const std::string& text);  // RFC 4180: quotes only fields that need it
 
   NamedPath output_;
+  std::vector<NamedPath> others_;
   std::string header_, rows_;
 };
 

@@ -160,10 +160,8 @@ int main(int argc, char** argv) {
     for (const kvs::NamedPath& input : rt.inputs()) inputs.push_back(input);
     kvs::CsvWriter csv({"--csv", options.csv},
                        "method,prompt_tokens,ttft_ms,decode_ms_median,decode_steps,cache_bytes,threads", inputs);
-    std::vector<kvs::NamedPath> not_memory_csv = inputs;
-    not_memory_csv.push_back({"--csv", options.csv});
     kvs::CsvWriter mem_csv({"--memory-csv", memory_csv},
-                           "method,positions,allocated_bytes,resident_bytes,analytic_bytes", not_memory_csv);
+                           "method,positions,allocated_bytes,resident_bytes,analytic_bytes", csv.taken());
 
     // Prompts are prefixes of the text, repeated if a length asks for more than it holds.
     std::vector<int> all_tokens = rt.prompt;

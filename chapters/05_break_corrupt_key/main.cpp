@@ -127,11 +127,9 @@ int main(int argc, char** argv) {
                              "kl_all_restored,head,attention_clean,attention_corrupted"
                            : "prompt,layer,position,part,seed,steps_to_mismatch,kl_mean,attention_mean",
                        rt.inputs());
-    auto others = rt.inputs();
-    others.push_back({"--csv", options.csv});
     kvs::CsvWriter second(run ? kvs::NamedPath{"--contamination-csv", contamination_csv} : kvs::NamedPath{"--kl-csv", kl_csv},
                           run ? "layer,position,max_abs_dkey,max_abs_dvalue" : "layer,part,steps_after,kl_median,kl_p90,configs",
-                          others);
+                          csv.taken());
     std::cerr << rt.describe() << "\n";
     if (run) {
       if (!parser.given("--position"))

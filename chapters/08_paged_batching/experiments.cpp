@@ -111,13 +111,10 @@ void check_pools(const Setup& s, const std::string& experiment) {
   }
   for (int block_size : block_sizes) {
     const int blocks = pool_blocks(s, block_size, s.kv_memory);
-    // Throughput draws requests of its own, per batch size; the others serve the trace (memory: a batch as
-    // large as the token budget).
-    if (experiment == "throughput") continue;
-    SchedulerOptions options = s.options;
-    if (experiment == "memory") options.max_batch = options.token_budget;
+    if (experiment == "throughput") continue;  // it draws requests of its own, per batch size
     // As make_pool's pool would hold: its block tables are sized for the model's context.
-    check_requests(s.rt.model, std::min(blocks_needed(c.seq_len, block_size), blocks) * block_size, s.requests, options);
+    check_requests(s.rt.model, pool_positions(blocks_needed(c.seq_len, block_size), blocks, block_size), s.requests,
+                   s.options);
   }
 }
 

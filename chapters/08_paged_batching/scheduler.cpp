@@ -97,7 +97,7 @@ std::size_t first_difference(const std::vector<int>& a, const std::vector<int>& 
 RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>& requests, const SchedulerOptions& options,
                std::vector<RequestResult>& results, const OnStep& on_step) {
   BlockPool& pool = caches.pool();
-  check_requests(model, pool_positions(pool), requests, options);
+  check_requests(model, pool_positions(pool.table_width(), pool.blocks(), pool.block_size()), requests, options);
   const int count = static_cast<int>(requests.size());
   results.assign(requests.size(), RequestResult{});
   std::vector<int> arrival_order(requests.size());  // requests by arrival step, ties in file order

@@ -142,9 +142,10 @@ using OnStep = std::function<void(const RunStats& stats, int finished, int reque
 // cannot take. serve() calls it; an experiment calls it first for every pool it will make, before it runs any.
 void check_requests(const Model& model, int pool_positions, const std::vector<Request>& requests,
                     const SchedulerOptions& options);
-// The positions one sequence of `pool` may hold: its block table's width or the whole pool, the smaller.
-inline int pool_positions(const BlockPool& pool) {
-  return std::min(pool.table_width(), pool.blocks()) * pool.block_size();
+// The positions one sequence may hold in a pool of `blocks` blocks of `block_size` whose block tables have
+// `table_width` entries: its table's width or the whole pool, the smaller.
+inline int pool_positions(int table_width, int blocks, int block_size) {
+  return std::min(table_width, blocks) * block_size;
 }
 
 // Serves `requests` through `model` with the caches of `caches`, writes each request's result (same order), and

@@ -62,9 +62,7 @@ int channels(const kvs::CommonOptions& options, int text_bytes, int offset, int 
   rt.plan_other(kvs::kv_cache_bytes(c, text_bytes), "the cached keys and values copied to the host");
   // Both outputs checked before anything runs: neither may be an input, nor the other.
   kvs::CsvWriter csv({"--csv", options.csv}, "layer,kind,channel,mean_abs,max_abs", rt.inputs());
-  auto others = rt.inputs();
-  others.push_back({"--csv", options.csv});
-  kvs::CsvWriter errors({"--errors-csv", errors_csv}, "layer,kind,format,group,relative_error", others);
+  kvs::CsvWriter errors({"--errors-csv", errors_csv}, "layer,kind,format,group,relative_error", csv.taken());
   std::fprintf(stderr, "%s\n", rt.describe().c_str());
   const kvs::ch10::CachedRows rows = kvs::ch10::cache_rows(rt.model, kvs::encode_bytes(text.substr(offset, text_bytes)));
 
