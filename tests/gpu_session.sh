@@ -4,11 +4,11 @@
 # (KVS_PROGRAMMATIC_LAUNCH=0); the test suite with the GPU present; compute-sanitizer on the kernel tests.
 # Usage, from the repository root on the GPU machine:
 #   bash tests/gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]
-# STEPS: a comma-separated subset of build,ab,test,sanitize,profile,chapters,transcripts, run in that order
-# (default: all but transcripts; profile: the synthetic model's decode kernels under Nsight Compute, each one's
-# time and DRAM bytes, in profile.md; chapters: the batch throughput of chapter 08 and the formats' speed of
-# chapter 10 on the GPU).
-# The A/B comes right after the build: a call stopped at its time limit has the measurements first.
+# STEPS: a comma-separated list of build,ab,test,sanitize,profile,chapters,transcripts, run in the order given
+# (default: build,ab,test,sanitize,profile,chapters; profile: the synthetic model's decode kernels under Nsight
+# Compute, each one's time and DRAM bytes, in profile.md; chapters: the batch throughput of chapter 08 and the
+# formats' speed of chapter 10 on the GPU; transcripts: book 07's GPU transcripts re-run, the book and its CSVs
+# copied into OUT_DIR). Put the A/B right after the build: a call stopped at its time limit has the measurements.
 # Header-only dependencies the machine lacks (Eigen, doctest) may be given as a prefix in .deps/ (CMake config
 # files included); a base tree (git archive of an older commit) as BASE_SOURCE_DIR. tests/gpu_prepare.sh COMMIT
 # makes both, in .deps/ and .ab/base, folders .git/info/exclude ignores; the device call carries them.
@@ -16,16 +16,19 @@
 # each step, which also prints its seconds. A device call returns at most 8 files of its $OUT: keep OUT_DIR out
 # of it and the archive in it, `GPU_SESSION_ARCHIVE=$OUT/s.tgz bash tests/gpu_session.sh /tmp/s .ab/base STEPS`.
 # A device call stops at 600 s, and a session has 15 minutes of device time, the machine's start included: build,
-# test, sanitize and ab took 446 s in the 2026-11-23 call (before chapters existed). So one call, timeout 600,
-# steps build,ab,test,sanitize,profile (profile last: a call stopped at its limit loses only it); chapters and
-# transcripts only in a second call where time is left (the build step rebuilds only what is missing, everything
-# where the machine was handed back in between).
+# test, sanitize and ab took 446 s in the 2026-11-23 call. So one call, timeout 600, the steps in the order of
+# what the session needs most (each compute-sanitizer tool and the profiler stop after SANITIZE_SECONDS, default
+# 150, and PROFILE_SECONDS, 200); what a call stopped at its limit did not reach goes to a second call on the
+# still-warm machine where time is left (the build step then rebuilds nothing).
 set -uo pipefail
 out=${1:?usage: gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]}
 base=${2:-}
 steps=${3:-build,ab,test,sanitize,profile,chapters}
 mkdir -p "$out"
-has() { [[ ",$steps," == *",$1,"* ]]; }
+known=",build,ab,test,sanitize,profile,chapters,transcripts,"
+for step in ${steps//,/ }; do
+  [[ $known == *",$step,"* ]] || { echo "gpu_session.sh: no step '$step' (steps: ${known:1:-1})" >&2; exit 2; }
+done
 # After each step: its seconds, and the archive rewritten, so that a call stopped at its time limit still
 # returns everything done before (a device call returns at most 8 files; the archive is one).
 step_start=$SECONDS
@@ -40,7 +43,7 @@ configure() {  # source dir, build dir
   cmake -S "$1" -B "$2" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 -DKVS_CUDA=ON "${prefix[@]}" >"$out/configure_$(basename "$2").log" 2>&1
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
-if has build; then
+step_build() {
   start=$SECONDS
   configure . build/release && cmake --build build/release -j "$jobs" >"$out/build.log" 2>&1 &
   if [[ -n $base ]]; then
@@ -50,8 +53,8 @@ if has build; then
   echo "builds: $((SECONDS - start)) s"; tail -3 "$out/build.log"
   [[ -x build/release/bin/03_benchmark ]] || { echo "build failed"; tail -30 "$out/build.log"; step_done build; exit 1; }
   step_done build
-fi
-if has ab; then
+}
+step_ab() {
   # First a quick check that this build's replayed decode steps are the forward pass's on this GPU (graphs and
   # programmatic launch included): numbers from a wrong build are worth nothing.
   build/release/bin/kvs_tests -tc='recorded decoding:*' >"$out/smoke.log" 2>&1; smoke=$?
@@ -81,22 +84,24 @@ if has ab; then
   python3 tests/gpu_ab_table.py "$out" >"$out/ab_table.md" 2>&1; echo "== the A/B as book 07's tables (ab_table.md)"
   cat "$out/ab_table.md"
   step_done ab
-fi
-if has test; then
+}
+step_test() {
   start=$SECONDS
   (cd build/release && ctest -j "$jobs" -LE book --timeout 600 >"$out/ctest.log" 2>&1)
   echo "ctest: $((SECONDS - start)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Skipped" "$out/ctest.log" | head -20
   step_done test
-fi
-if has sanitize; then
+}
+step_sanitize() {
   cases=${SANITIZE_CASES:-'cuda kernels:*,recorded decoding:*,batched attention:*,batched cache write:*,batched decode through pools:*'}
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 99 build/release/bin/kvs_tests -tc="$cases" >"$out/sanitizer_$tool.log" 2>&1
+    # a time limit each (exit 124), so that a slow tool cannot eat the steps after it
+    timeout "${SANITIZE_SECONDS:-150}" compute-sanitizer --tool $tool --error-exitcode 99 build/release/bin/kvs_tests \
+      -tc="$cases" >"$out/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY' "$out/sanitizer_$tool.log") summaries: $(grep 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' '))"
   done
   step_done sanitize
-fi
-if has profile; then
+}
+step_profile() {
   # The synthetic model's decode kernels one by one under Nsight Compute: each kernel's own time and the bytes it
   # reads from DRAM, against the ~3 TB/s a step could reach - which kernels keep a step from its bandwidth
   # (book 07; tests/gpu_kernel_profile.py makes the table). Two steps' 166 launches of the project's kernels
@@ -105,7 +110,7 @@ if has profile; then
   # consecutive launches hold each of a step's 83 twice.
   # --clock-control none: the clocks as the GPU sets them (ncu otherwise locks them to base, slower than a run).
   if command -v ncu >/dev/null; then
-    ncu --clock-control none --csv --page raw --print-units base --log-file "$out/profile_ncu.csv" \
+    timeout "${PROFILE_SECONDS:-200}" ncu --clock-control none --csv --page raw --print-units base --log-file "$out/profile_ncu.csv" \
       --kernel-name regex:'^(embed|rmsnorm|rope|write|attention|gemv|swiglu|add)_' \
       --launch-skip 400 --launch-count 166 \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
@@ -117,8 +122,8 @@ if has profile; then
     echo "ncu is not on the PATH: no kernel profile"
   fi
   step_done profile
-fi
-if has chapters; then
+}
+step_chapters() {
   build/release/bin/08_paged_batching --backend cuda --experiment throughput --csv "$out/batch_throughput_gpu.csv" \
     >"$out/batch_throughput_gpu.log" 2>&1
   echo "== chapter 08 throughput on the GPU: exit $?"; tail -12 "$out/batch_throughput_gpu.log"
@@ -138,10 +143,14 @@ if has chapters; then
     >"$out/kv_format_speed_gpu.log" 2>&1
   echo "== chapter 10 speed on the GPU: exit $?"; tail -12 "$out/kv_format_speed_gpu.log"
   step_done chapters
-fi
-if has transcripts; then
+}
+step_transcripts() {
   python3 book/transcripts.py --gpu-only book/07_the_same_cache_on_a_gpu.md >"$out/transcripts.log" 2>&1
   echo "transcripts: exit $?"; tail -5 "$out/transcripts.log"; cp book/07_the_same_cache_on_a_gpu.md "$out/"
   cp -r plots/data/gpu "$out/plots_data_gpu"
   step_done transcripts
-fi
+}
+for step in ${steps//,/ }; do
+  step_start=$SECONDS
+  "step_$step"
+done
