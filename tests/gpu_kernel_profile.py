@@ -23,8 +23,9 @@ from pathlib import Path
 
 TIME, READ = "gpu__time_duration.sum", "dram__bytes_read.sum"
 REGISTERS, OCCUPANCY = "launch__registers_per_thread", "sm__warps_active.avg.pct_of_peak_sustained_active"  # optional
-SCALE = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,  # to µs
-         "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}           # to bytes
+# Nsight Compute 2025.3 on the H100 (2026-11-26) wrote "ns"; older versions "nsecond".
+SCALE = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6,  # to µs
+         "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}  # to bytes
 
 
 def number(text, unit):
