@@ -252,6 +252,8 @@ GPU_VERSIONS = [
     ("breakdown_h100_synthetic_cuda_unsplit.csv", "version 1: a block per query head"),
     ("breakdown_h100_synthetic_cuda_split_v1.csv", "version 2: chunks of rows (flash-decoding)"),
     ("breakdown_h100_synthetic_cuda_v3.csv", "version 3: each row read once, 4 in flight"),
+    ("breakdown_h100_synthetic_cuda_v5.csv", "version 5, first run: K/V via KvView::key"),
+    ("breakdown_h100_synthetic_cuda_v6.csv", "version 6: float rows, plain loads"),
 ]
 GPU_TRANSCRIPT = "breakdown_h100_synthetic_cuda.csv"
 
@@ -279,7 +281,7 @@ def gpu_figure():
     runs = GPU_VERSIONS + [(p.name, p.stem) for p in sorted(gpu.glob("breakdown_*_synthetic_cuda*.csv")) if p.name not in known]
     kept = [(gpu / name).read_bytes() for name, _ in runs if (gpu / name).exists()]
     if (gpu / GPU_TRANSCRIPT).exists() and (gpu / GPU_TRANSCRIPT).read_bytes() not in kept:
-        runs.append((GPU_TRANSCRIPT, "book 07's transcript (the latest run)"))
+        runs.append((GPU_TRANSCRIPT, "version 6, transcript: a 16,416-row cache"))
     for name, label in runs:
         if not (gpu / name).exists():
             continue

@@ -81,7 +81,8 @@ def short_name(demangled):
             if depth == 0:
                 name = name[:i]
                 break
-    return re.sub(r"(\w+::|\(anonymous namespace\)::)", "", name)
+    # ncu 2025.3 (H100, 2026-11-26) writes the anonymous namespace as 'unnamed>::'
+    return re.sub(r"(\w+::|\(anonymous namespace\)::|<?unnamed>::)", "", name)
 
 
 def report(launches):

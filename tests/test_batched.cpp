@@ -647,6 +647,16 @@ TEST_CASE("08_paged_batching --experiment throughput --synthetic: a chosen shape
   CHECK(r.err.find("model synthetic: dim 64, 2 layers, 4 query heads / 2 KV heads of 16") != std::string::npos);
   CHECK(r.err.find("\n     1 ") != std::string::npos);
   CHECK(r.err.find("\n     3 ") != std::string::npos);
+  CHECK(r.err.find("memory floor: the step's bytes at this machine's read bandwidth") != std::string::npos);
+#if defined(KVS_HAVE_CUDA_HARNESS)
+  {  // Through the CUDA kernels the floor is the device's copy bandwidth: the host's memory is not the device's.
+    const auto device = test::run_command(bin + " --backend cuda-harness --experiment throughput --synthetic 64,2,4,2 "
+                                                "--prompt-lengths 4,4 --output-lengths 3,3 --batch-sizes 1");
+    CAPTURE(device.err);
+    CHECK(device.exit_code == 0);
+    CHECK(device.err.find("memory floor: the step's bytes at the device's copy bandwidth") != std::string::npos);
+  }
+#endif
   const std::size_t buffers = r.err.find("working buffers ");
   REQUIRE(buffers != std::string::npos);
   const std::string size = r.err.substr(buffers + 16, r.err.find(" for ", buffers) - buffers - 16);  // e.g. "1.3 MiB"

@@ -483,7 +483,8 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
 
 // Decoding: one query per sequence - sequence z (blockIdx.z; one for a single decode step, up to
 // kMaxBatchSequences for a batch's) at positions[z], its q and out rows z (n_heads · head_dim each), over
-// views.view[z] - its rows split into chunks of decode_rows_per_split(rows). Block (x, s, z) takes KV head
+// views.view[z] - the rows it visits (KvView::rows_to_visit) split into chunks of decode_rows_per_split of them.
+// Block (x, s, z) takes KV head
 // x / tiles and `tile` of the query heads that read it (tiles = group / tile; tile <= kMaxTile), over chunk s
 // (a chunk past the view's last row - a batch's grid has the most chunks any of its views has - sees nothing
 // and writes a partial of max -inf, which the merge skips: each sequence gets the bits it gets alone). Warp w
@@ -511,9 +512,12 @@ constexpr std::size_t kArrivalCounters = 256 * kMaxBatchSequences;
 // where a view would need more than kMaxSplits of them: the merge reads every chunk's partial, and at 16,384
 // positions 256 chunks of 64 rows made the synthetic model's step 3.9-4.1 ms, 64 chunks of 256 rows 3.4-3.5
 // (H100, one run; 8 warps per block: 2-6% faster at 512 and 4,096 positions, 5-9% slower at 16,384; 8 rows in
-// flight: slower at each). A view of one chunk needs no merge. Up to 4,096 rows, chunks start at the same rows
-// in a view of a whole buffer and in one of its written prefix, so both give the same bits (tested). A view's
-// split depends on its rows only: the kernel computes it for each sequence of a batch, the host for the grid.
+// flight: slower at each). A view of one chunk needs no merge. The chunks cut the rows a query visits, not the
+// view's rows: a preallocated buffer of 16,416 rows cut by its size made chunks of 257 rows, and a query at
+// position 512 kept 2 blocks a KV head busy while 62 saw nothing (its step 2.59 ms, against 1.72 in a buffer of
+// 4,128 rows, whose chunks are 64 rows long: H100, 2026-11-26). So a view of a whole buffer and one of its
+// written prefix give the same bits (tested). The kernel cuts each sequence's rows; the host sizes the grid for
+// the most chunks a view's rows can make (decode_splits never grows as the rows shrink).
 constexpr int kRowsPerSplit = 4 * kDecodeWarps * kRowsInFlight;
 constexpr int kMaxSplits = 64;
 
@@ -580,7 +584,7 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   const int split = blockIdx.y, splits = gridDim.y;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int query_pos = positions[sequence], rows = kv.rows_to_visit(query_pos);
-  const int rows_per_split = decode_rows_per_split(kv.rows);
+  const int rows_per_split = decode_rows_per_split(rows);
   const int row_begin = split * rows_per_split;
   const int row_end = row_begin + rows_per_split < rows ? row_begin + rows_per_split : rows;
   const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));
