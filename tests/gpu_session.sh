@@ -6,9 +6,9 @@
 #   bash tests/gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]
 # STEPS: a comma-separated list of build,ab,test,sanitize,profile,chapters,transcripts, run in the order given
 # (default: build,ab,test,sanitize,profile,chapters; profile: the synthetic model's decode kernels under Nsight
-# Compute, each one's time and DRAM bytes, in profile.md; chapters: the batch throughput of chapter 08 and the
-# formats' speed of chapter 10 on the GPU; transcripts: book 07's GPU transcripts re-run, the book and its CSVs
-# copied into OUT_DIR). Put the A/B right after the build: a call stopped at its time limit has the measurements.
+# Compute, each one's time and DRAM bytes, in profile.md, and what the decoding kernel's warps wait on;
+# chapters: the batch throughput of chapter 08 and the formats' speed of chapter 10 on the GPU; transcripts: book
+# 07's GPU transcripts re-run, the book and its CSVs copied into OUT_DIR). Put the A/B right after the build: a call stopped at its time limit has the measurements.
 # Header-only dependencies the machine lacks (Eigen, doctest) may be given as a prefix in .deps/ (CMake config
 # files included); a base tree (git archive of an older commit) as BASE_SOURCE_DIR. tests/gpu_prepare.sh COMMIT
 # makes both, in .deps/ and .ab/base, folders .git/info/exclude ignores; the device call carries them.
@@ -123,6 +123,15 @@ step_profile() {
       --lengths 4096 --max-new-tokens 8 >"$out/profile_run.log" 2>&1
     echo "ncu: exit $?"
     python3 tests/gpu_kernel_profile.py "$out/profile_ncu.csv" >"$out/profile.md" 2>&1; cat "$out/profile.md"
+    # The decoding kernel once more, one launch past the first decode steps, with what its warps wait on: its time
+    # hardly depends on the rows it reads (book 07, version 6), so the stall reasons say what a round of rows waits
+    # for (memory, shuffles, the exponentials), in profile_attention.txt.
+    timeout "${PROFILE_SECONDS:-200}" ncu --clock-control none --kernel-name regex:'^attention_decode' --launch-skip 40 \
+      --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+      --section MemoryWorkloadAnalysis --log-file "$out/profile_attention.txt" \
+      build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown \
+      --lengths 4096 --max-new-tokens 8 >"$out/profile_attention_run.log" 2>&1
+    echo "ncu, the decoding kernel's stall reasons: exit $?"; grep -iE "Duration|Stall|Warp Cycles|Issued|Eligible|Achieved Occupancy" "$out/profile_attention.txt" | head -30
   else
     echo "ncu is not on the PATH: no kernel profile"
   fi

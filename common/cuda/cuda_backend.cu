@@ -215,19 +215,13 @@ __device__ void load_query(float (&query)[kElements], const float* query_row, co
   }
 }
 
-// Element d of a view row's key (position key_pos) in the KV head at kv_offset, as the query at query_pos
-// sees it: as stored, or rotated by its rotary position when the view rotates at read time. read(channel)
-// gives the row's stored number: KvView::key, which also decodes a coded cache (chapter 10), or a plain load
-// from a float row (the decoding kernel's fast path).
-template <typename Read>
-__device__ float key_element(const Read& read, const KvView& kv, int key_pos, int query_pos, int kv_offset, int d,
-                             int head_dim) {
-  if (!kv.read_rope) return read(kv_offset + d);
-  const float* cos_sin = kv.read_rope + std::size_t(rotary_key_position(query_pos, key_pos, kv.window)) * (head_dim / 2) * 2;
-  return rope_rotated_element(read(kv_offset + (d & ~1)), read(kv_offset + (d | 1)), d, cos_sin + (d / 2) * 2);
-}
+// Element d of view row r's key (position key_pos) in the KV head at kv_offset, as the query at query_pos
+// sees it: as stored, or rotated by its rotary position when the view rotates at read time.
+// KvView::key reads it as stored, or decodes it from a coded cache (chapter 10).
 __device__ float key_element(const KvView& kv, int r, int key_pos, int query_pos, int kv_offset, int d, int head_dim) {
-  return key_element([&](int channel) { return kv.key(r, channel); }, kv, key_pos, query_pos, kv_offset, d, head_dim);
+  if (!kv.read_rope) return kv.key(r, kv_offset + d);
+  const float* cos_sin = kv.read_rope + std::size_t(rotary_key_position(query_pos, key_pos, kv.window)) * (head_dim / 2) * 2;
+  return rope_rotated_element(kv.key(r, kv_offset + (d & ~1)), kv.key(r, kv_offset + (d | 1)), d, cos_sin + (d / 2) * 2);
 }
 
 // The scaled score q·k / sqrt(head_dim) of view row r (key at key_pos), the same in every lane of the warp.
@@ -497,9 +491,10 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
 // counting arrivals in arrivals (sequences, n_kv_heads · tiles), zero before the launch and after it. Lane l
 // holds elements l, l + 32,
 // ... < 32 · kElements of a row (kElements = 1, 2, 4, 8 for head_dim up to 32, 64, 128, 256: registers for
-// what the head needs, not for the largest head). kFloatRows: every view of the launch stores float rows
-// (contiguous or paged; not chapter 10's codes), read with plain loads from each row's start; otherwise each
-// number goes through KvView::key and value. Grid (n_kv_heads · tiles, splits, sequences), block
+// what the head needs, not for the largest head). kPlainRows: every view of the launch stores float rows
+// (contiguous or paged; not chapter 10's codes) rotated before they were cached (not chapter 04's read-time
+// rotation), read with plain loads from each row's start; otherwise each number goes through KvView::key and
+// value, and key_element's rotation. Grid (n_kv_heads · tiles, splits, sequences), block
 // kDecodeWarps · 32.
 constexpr int kMaxTile = 4;
 constexpr int kRowsInFlight = 4;
@@ -571,7 +566,7 @@ __device__ void merge_partials(float* out, const float* head, int splits, int he
     if (lane + j * kWarp < head_dim) out[lane + j * kWarp] = total > 0.0f ? o[j] / total : 0.0f;
 }
 
-template <int kElements, int kViews, bool kFloatRows>
+template <int kElements, int kViews, bool kPlainRows>
 __global__ void __launch_bounds__(kDecodeWarps * kWarp)
     attention_decode_kernel(float* out, float* partials, unsigned* arrivals, const float* q, const int* positions,
                             DecodeViews<kViews> views, int n_heads, int group, int tile, int head_dim) {
@@ -602,20 +597,21 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
     bool visible[kRowsInFlight];
     KVS_UNROLL
     for (int i = 0; i < kRowsInFlight; ++i) {
-      const int r = first + i, key_pos = r < row_end ? kv.position_of(r) : -1;
+      // A row past the chunk looks up the chunk's last row instead (its position, its place in a paged view's
+      // table), so that nothing below reads past a row table; its numbers are never loaded.
+      const int r = first + i, row = r < row_end ? r : row_end - 1, key_pos = kv.position_of(row);
       visible[i] = r < row_end && key_visible(query_pos, key_pos, kv.window);  // the same in every lane
-      // Float rows (kFloatRows): the row's start found once (a paged view's table read once), then plain loads.
-      // KvView::key's checks at every number (coded? paged?) cost 238 registers against 107 and kept the loads
-      // from being in flight together: the synthetic model's attention ran at 214 GB/s (H100, 2026-11-26).
-      const std::size_t row = kFloatRows && visible[i] ? kv.row_offset(r) : 0;
+      // Plain rows (kPlainRows): the row's start found once (a paged view's table read once), then loads with
+      // nothing between them but their condition. KvView::key's checks at every number (coded? paged?) cost 238
+      // registers against 107 and kept the loads from being in flight together: the synthetic model's attention
+      // ran at 214 GB/s (H100, 2026-11-26); the read-time rotation's test put each load behind a branch too.
+      const std::size_t start = kPlainRows ? kv.row_offset(row) + kv_offset : 0;
       for (int j = 0; j < kElements; ++j) {
         const int d = lane + j * kWarp;
         const bool load = visible[i] && d < head_dim;  // a hidden row is never read: its bytes may be NaN
-        if constexpr (kFloatRows) {
-          key[i][j] = load ? key_element([&](int channel) { return kv.keys[row + channel]; }, kv, key_pos, query_pos,
-                                         kv_offset, d, head_dim)
-                           : 0.0f;
-          value[i][j] = load ? kv.values[row + kv_offset + d] : 0.0f;
+        if constexpr (kPlainRows) {
+          key[i][j] = load ? kv.keys[start + d] : 0.0f;
+          value[i][j] = load ? kv.values[start + d] : 0.0f;
         } else {
           key[i][j] = load ? key_element(kv, r, key_pos, query_pos, kv_offset, d, head_dim) : 0.0f;
           value[i][j] = load ? kv.value(r, kv_offset + d) : 0.0f;
@@ -1217,13 +1213,13 @@ class CudaBackend final : public Backend {
                                   std::to_string(sequences) + " sequences in one decoding launch; the CUDA backend "
                                   "merges split chunks for at most " + std::to_string(kArrivalCounters) +
                                   " (query heads / " + std::to_string(tile) + " x sequences): decode fewer sequences at once");
-    bool float_rows = true;  // every view's rows are floats (none is chapter 10's coded rows)
-    for (int z = 0; z < sequences; ++z) float_rows = float_rows && !views.view[z].coded();
+    bool plain_rows = true;  // every view's rows are floats as the model stored them (kPlainRows)
+    for (int z = 0; z < sequences; ++z) plain_rows = plain_rows && !views.view[z].coded() && !views.view[z].read_rope;
 #define KVS_DECODE(elements, floats)                                                                             \
   KVS_LAUNCH((attention_decode_kernel<elements, kViews, floats>), grid, block, 0, queue_, out, partials, arrivals_, \
              q, positions, views, shape.n_heads, group, tile, shape.head_dim)
 #define KVS_DECODE_ROWS(elements) \
-  if (float_rows) KVS_DECODE(elements, true); else KVS_DECODE(elements, false)
+  if (plain_rows) KVS_DECODE(elements, true); else KVS_DECODE(elements, false)
     if (shape.head_dim <= kWarp) KVS_DECODE_ROWS(1);
     else if (shape.head_dim <= 2 * kWarp) KVS_DECODE_ROWS(2);
     else if (shape.head_dim <= 4 * kWarp) KVS_DECODE_ROWS(4);
