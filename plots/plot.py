@@ -281,7 +281,7 @@ def gpu_figure():
     runs = GPU_VERSIONS + [(p.name, p.stem) for p in sorted(gpu.glob("breakdown_*_synthetic_cuda*.csv")) if p.name not in known]
     kept = [(gpu / name).read_bytes() for name, _ in runs if (gpu / name).exists()]
     if (gpu / GPU_TRANSCRIPT).exists() and (gpu / GPU_TRANSCRIPT).read_bytes() not in kept:
-        runs.append((GPU_TRANSCRIPT, "version 6, transcript: a 16,416-row cache"))
+        runs.append((GPU_TRANSCRIPT, "book 07's transcript, a 16,416-row cache"))
     for name, label in runs:
         if not (gpu / name).exists():
             continue

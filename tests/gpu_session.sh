@@ -18,7 +18,7 @@
 # A device call stops at 600 s, and a session has 15 minutes of device time, the machine's start included: build,
 # test, sanitize and ab took 446 s in the 2026-11-23 call. So one call, timeout 600, the steps in the order of
 # what the session needs most (each compute-sanitizer tool and the profiler stop after SANITIZE_SECONDS, default
-# 150, and PROFILE_SECONDS, 200); what a call stopped at its limit did not reach goes to a second call on the
+# 150, and each of the profiler's two runs after PROFILE_SECONDS, 200); what a call stopped at its limit did not reach goes to a second call on the
 # still-warm machine where time is left (the build step then rebuilds nothing).
 set -uo pipefail
 out=${1:?usage: gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]}
@@ -26,7 +26,8 @@ base=${2:-}
 steps=${3:-build,ab,test,sanitize,profile,chapters}
 mkdir -p "$out"
 known=",build,ab,test,sanitize,profile,chapters,transcripts,"
-for step in ${steps//,/ }; do
+IFS=, read -ra step_list <<<"$steps"
+for step in "${step_list[@]}"; do
   [[ $known == *",$step,"* ]] || { echo "gpu_session.sh: no step '$step' (steps: ${known:1:-1})" >&2; exit 2; }
 done
 # After each step: its seconds, and the archive rewritten, so that a call stopped at its time limit still
@@ -92,7 +93,8 @@ step_test() {
   step_done test
 }
 step_sanitize() {
-  kernels='cuda kernels:*,batched attention:*,paged attention:*,batched cache write:*,batched decode through pools:*'
+  kernels='cuda kernels:*,batched attention:*,paged attention:*,attention: rows past*,batched cache write:*,'
+  kernels+='batched decode through pools:*'
   for tool in memcheck racecheck; do
     # racecheck without the recorded decoding's 1,000 replayed steps: they took it past 110 s (H100, 2026-11-26)
     cases=${SANITIZE_CASES:-$kernels}; [[ $tool == memcheck && -z ${SANITIZE_CASES:-} ]] && cases+=',recorded decoding:*'
@@ -128,10 +130,13 @@ step_profile() {
     # for (memory, shuffles, the exponentials), in profile_attention.txt.
     timeout "${PROFILE_SECONDS:-200}" ncu --clock-control none --kernel-name regex:'^attention_decode' --launch-skip 40 \
       --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
-      --section MemoryWorkloadAnalysis --log-file "$out/profile_attention.txt" \
+      --section MemoryWorkloadAnalysis --page raw --print-units base --log-file "$out/profile_attention.txt" \
       build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown \
       --lengths 4096 --max-new-tokens 8 >"$out/profile_attention_run.log" 2>&1
-    echo "ncu, the decoding kernel's stall reasons: exit $?"; grep -iE "Duration|Stall|Warp Cycles|Issued|Eligible|Achieved Occupancy" "$out/profile_attention.txt" | head -30
+    # --page raw: every metric the sections collected, the per-reason stalls (smsp__average_warp_latency_issue_stalled_*,
+    # smsp__pcsamp_warps_issue_stalled_*) among them, where the details page shows only each section's summary
+    echo "ncu, the decoding kernel's stall reasons: exit $?"
+    grep -E "gpu__time_duration.sum|stalled|warps_active|issue_active" "$out/profile_attention.txt" | head -60
   else
     echo "ncu is not on the PATH: no kernel profile"
   fi
@@ -164,7 +169,7 @@ step_transcripts() {
   cp -r plots/data/gpu "$out/plots_data_gpu"
   step_done transcripts
 }
-for step in ${steps//,/ }; do
+for step in "${step_list[@]}"; do
   step_start=$SECONDS
   "step_$step"
 done

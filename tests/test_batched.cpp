@@ -648,6 +648,7 @@ TEST_CASE("08_paged_batching --experiment throughput --synthetic: a chosen shape
   CHECK(r.err.find("\n     1 ") != std::string::npos);
   CHECK(r.err.find("\n     3 ") != std::string::npos);
   CHECK(r.err.find("memory floor: the step's bytes at this machine's read bandwidth") != std::string::npos);
+  CHECK(r.err.find("roofline probes") == std::string::npos);  // on the host: not planned (experiments.h)
 #if defined(KVS_HAVE_CUDA_HARNESS)
   {  // Through the CUDA kernels the floor is the device's copy bandwidth: the host's memory is not the device's.
     const auto device = test::run_command(bin + " --backend cuda-harness --experiment throughput --synthetic 64,2,4,2 "
@@ -655,6 +656,7 @@ TEST_CASE("08_paged_batching --experiment throughput --synthetic: a chosen shape
     CAPTURE(device.err);
     CHECK(device.exit_code == 0);
     CHECK(device.err.find("memory floor: the step's bytes at the device's copy bandwidth") != std::string::npos);
+    CHECK(device.err.find(" + roofline probes ") != std::string::npos);  // the copy probe's buffers, planned
   }
 #endif
   const std::size_t buffers = r.err.find("working buffers ");

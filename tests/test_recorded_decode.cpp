@@ -74,9 +74,10 @@ TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on
       const RecordedRun forward = run(DecodeSteps::kForward), replayed = run(DecodeSteps::kRecorded);
       const Equivalence e = check_equivalence(forward, replayed, static_cast<int>(prompt.size()));
       MESSAGE(name << ", " << std::string(kind) << ": " << e.steps << " steps, worst logit difference " << e.worst_logit_difference);
-      // Every step compared, or every step up to a near-tie of the forward run's two best tokens, past which
-      // either token is right (on the H100 the int4 cache's text reaches one at step 136 of 200).
-      CHECK(e.steps == (e.near_tie >= 0 ? e.near_tie + 1 : new_tokens));
+      // Every step compared; on a GPU's 200 steps the comparison may stop at a near-tie of the forward run's two
+      // best tokens, past which either token is right (the int4 cache's text reaches one at step 136 on an H100),
+      // but not within the first 100.
+      CHECK((e.steps == new_tokens || (name == "cuda" && e.near_tie >= 100)));
       CHECK(e.first_token_mismatch == -1);
       // The same kernels on the same memory: exactly the same logits in the harness. A GPU's matrix products
       // may pick another reduction order inside a graph, so there the equivalence tolerance applies.

@@ -167,13 +167,31 @@ int serve_trace(Setup& s) {
   return unexplained == 0 ? 0 : 1;
 }
 
+namespace {
+// What the throughput experiment's average step reads: the weights, and one sequence's K/V at the midpoint of its
+// new tokens (a coded pool reads less).
+ch03::StepBytes throughput_step_bytes(const Setup& s) {
+  const ModelConfig& c = s.rt.model.config();
+  ch03::StepBytes step = ch03::decode_step_bytes(c, s.shape.prompt_min + s.shape.output_max / 2);
+  step.kv = step.kv * BlockPool::block_bytes(c, 1, s.format) / BlockPool::block_bytes(c, 1);
+  return step;
+}
+}  // namespace
+
+std::int64_t throughput_probe_bytes(const Setup& s) {
+  const ch03::StepBytes step = throughput_step_bytes(s);
+  const int largest = *std::max_element(s.batch_sizes.begin(), s.batch_sizes.end());
+  const std::int64_t probe = step.weights + largest * step.kv;
+  // On the host the read probe's one buffer is not planned: book 08's transcripts were captured without it.
+  return s.rt.backend.host_memory() ? 0 : 4 * std::int64_t{ch03::kPeakSize} * ch03::kPeakSize * 4 + 3 * probe;
+}
+
 int throughput(Setup& s) {
   const ModelConfig& c = s.rt.model.config();
   const int prompt = s.shape.prompt_min, new_tokens = s.shape.output_max;
   const int threads = std::max(1, s.rt.cpu_threads());
   const bool host = s.rt.backend.host_memory();
-  ch03::StepBytes step = ch03::decode_step_bytes(c, prompt + new_tokens / 2);
-  step.kv = step.kv * BlockPool::block_bytes(c, 1, s.format) / BlockPool::block_bytes(c, 1);  // a coded pool reads less
+  const ch03::StepBytes step = throughput_step_bytes(s);
   const double matmul_gflops = ch03::measure_matmul_gflops(s.rt.backend);
   std::fprintf(stderr, "batches of requests with %d-token prompts and %d new tokens each; decode steps only (every "
                        "sequence one token); %d rounds over the batch sizes\n", prompt, new_tokens, s.rounds);

@@ -147,6 +147,7 @@ int main(int argc, char** argv) {
                            .batch_sizes = batch_list, .block_sizes = block_list, .rounds = rounds, .csv = options.csv};
     try {
       kvs::ch08::check_pools(setup, experiment);
+      if (experiment == "throughput") rt.plan_other(kvs::ch08::throughput_probe_bytes(setup), "roofline probes");
       std::cerr << rt.describe() << "\n";
       if (experiment == "throughput") return kvs::ch08::throughput(setup);
       if (experiment == "memory") return kvs::ch08::memory_waste(setup);

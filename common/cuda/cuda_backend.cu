@@ -480,7 +480,7 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
 // views.view[z] - the rows it visits (KvView::rows_to_visit) split into chunks of decode_rows_per_split of them.
 // Block (x, s, z) takes KV head
 // x / tiles and `tile` of the query heads that read it (tiles = group / tile; tile <= kMaxTile), over chunk s
-// (a chunk past the view's last row - a batch's grid has the most chunks any of its views has - sees nothing
+// (a chunk past the rows the query visits - a batch's grid has the most chunks any of its views can make - sees nothing
 // and writes a partial of max -inf, which the merge skips: each sequence gets the bits it gets alone). Warp w
 // takes kRowsInFlight consecutive rows at a time (rows row_begin + (w + k · warps) · kRowsInFlight ...): it
 // loads their keys and values first - independent loads, all in flight at once - then scores them for each of
@@ -509,8 +509,8 @@ constexpr std::size_t kArrivalCounters = 256 * kMaxBatchSequences;
 // (H100, one run; 8 warps per block: 2-6% faster at 512 and 4,096 positions, 5-9% slower at 16,384; 8 rows in
 // flight: slower at each). A view of one chunk needs no merge. The chunks cut the rows a query visits, not the
 // view's rows: a preallocated buffer of 16,416 rows cut by its size made chunks of 257 rows, and a query at
-// position 512 kept 2 blocks a KV head busy while 62 saw nothing (its step 2.59 ms, against 1.72 in a buffer of
-// 4,128 rows, whose chunks are 64 rows long: H100, 2026-11-26). So a view of a whole buffer and one of its
+// position 512 kept 2 or 3 blocks a KV head busy while the others saw nothing (its step 2.59 ms, against 1.72 in a
+// buffer of 4,128 rows, whose chunks are 65 rows long: H100, 2026-11-26). So a view of a whole buffer and one of its
 // written prefix give the same bits (tested). The kernel cuts each sequence's rows; the host sizes the grid for
 // the most chunks a view's rows can make (decode_splits never grows as the rows shrink).
 constexpr int kRowsPerSplit = 4 * kDecodeWarps * kRowsInFlight;
@@ -1143,8 +1143,8 @@ class CudaBackend final : public Backend {
       throw std::invalid_argument("attention: read-time rotation needs a window (its table covers its positions)");
     const int group = shape.n_heads / shape.n_kv_heads;
     if (n == 1 && !weights) {
-      // Decoding. The split depends on the view's rows only, never on the position, so a recorded step
-      // replays the same launches.
+      // Decoding. The grid depends on the view's rows only, never on the position, so a recorded step replays the
+      // same launches (each block finds its chunk of the rows the query visits from the position in device memory).
       if (scratch.size() < attention_scratch_floats(shape, kv.rows, 1))
         throw std::invalid_argument("attention: a view of " + std::to_string(kv.rows) +
                                     " rows needs more scratch than the model allocated");
@@ -1218,8 +1218,11 @@ class CudaBackend final : public Backend {
 #define KVS_DECODE(elements, floats)                                                                             \
   KVS_LAUNCH((attention_decode_kernel<elements, kViews, floats>), grid, block, 0, queue_, out, partials, arrivals_, \
              q, positions, views, shape.n_heads, group, tile, shape.head_dim)
-#define KVS_DECODE_ROWS(elements) \
-  if (plain_rows) KVS_DECODE(elements, true); else KVS_DECODE(elements, false)
+#define KVS_DECODE_ROWS(elements)                                    \
+  do {                                                                \
+    if (plain_rows) KVS_DECODE(elements, true);                       \
+    else KVS_DECODE(elements, false);                                 \
+  } while (0)
     if (shape.head_dim <= kWarp) KVS_DECODE_ROWS(1);
     else if (shape.head_dim <= 2 * kWarp) KVS_DECODE_ROWS(2);
     else if (shape.head_dim <= 4 * kWarp) KVS_DECODE_ROWS(4);
