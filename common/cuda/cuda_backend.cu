@@ -478,10 +478,10 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
 // Decoding: one query per sequence - sequence z (blockIdx.z; one for a single decode step, up to
 // kMaxBatchSequences for a batch's) at positions[z], its q and out rows z (n_heads · head_dim each), over
 // views.view[z] - the rows it visits (KvView::rows_to_visit) split into chunks of decode_rows_per_split of them.
-// Block (x, s, z) takes KV head
-// x / tiles and `tile` of the query heads that read it (tiles = group / tile; tile <= kMaxTile), over chunk s
-// (a chunk past the rows the query visits - a batch's grid has the most chunks any of its views can make - sees nothing
-// and writes a partial of max -inf, which the merge skips: each sequence gets the bits it gets alone). Warp w
+// Block (x, s, z) takes KV head x / tiles and `tile` of the query heads that read it (tiles = group / tile; tile
+// <= kMaxTile), over chunk s (a chunk past the rows the query visits - a batch's grid has the most chunks any of
+// its views can make - sees nothing and writes a partial of max -inf, which the merge skips: each sequence gets
+// the bits it gets alone). Warp w
 // takes kRowsInFlight consecutive rows at a time (rows row_begin + (w + k · warps) · kRowsInFlight ...): it
 // loads their keys and values first - independent loads, all in flight at once - then scores them for each of
 // its query heads and updates that head's online softmax. The block's warps merge through shared memory; with
@@ -1215,8 +1215,8 @@ class CudaBackend final : public Backend {
                                   " (query heads / " + std::to_string(tile) + " x sequences): decode fewer sequences at once");
     bool plain_rows = true;  // every view's rows are floats as the model stored them (kPlainRows)
     for (int z = 0; z < sequences; ++z) plain_rows = plain_rows && !views.view[z].coded() && !views.view[z].read_rope;
-#define KVS_DECODE(elements, floats)                                                                             \
-  KVS_LAUNCH((attention_decode_kernel<elements, kViews, floats>), grid, block, 0, queue_, out, partials, arrivals_, \
+#define KVS_DECODE(elements, plain)                                                                              \
+  KVS_LAUNCH((attention_decode_kernel<elements, kViews, plain>), grid, block, 0, queue_, out, partials, arrivals_, \
              q, positions, views, shape.n_heads, group, tile, shape.head_dim)
 #define KVS_DECODE_ROWS(elements)                                    \
   do {                                                                \
