@@ -105,11 +105,15 @@ std::int64_t breakdown_other_bytes(const ModelConfig& c, const Backend& backend,
   const int longest = *std::max_element(lengths.begin(), lengths.end());
   const std::int64_t profiled_model =
       Model::weight_bytes(c) + Model::working_bytes(c, backend, std::max(1, longest), longest + new_tokens);
-  constexpr std::int64_t kMatrix = std::int64_t{kPeakSize} * kPeakSize * 4;
-  const std::int64_t peak_rate = 4 * kMatrix;  // x, out and the uploaded matrix in the backend; the host's ones
   // The probe's buffer: the bytes of the step with the most positions (decode_breakdown: + steps / 2).
   const std::int64_t probe = std::max<std::int64_t>(decode_step_bytes(c, longest + (new_tokens - 1) / 2).total(), 4096);
-  return profiled_model + peak_rate + (backend.host_memory() ? probe : 3 * probe);
+  return profiled_model + roofline_probe_bytes(backend, probe);
+}
+
+std::int64_t roofline_probe_bytes(const Backend& backend, std::int64_t step_bytes) {
+  constexpr std::int64_t kMatrix = std::int64_t{kPeakSize} * kPeakSize * 4;
+  const std::int64_t peak_rate = 4 * kMatrix;  // x, out and the uploaded matrix in the backend; the host's ones
+  return peak_rate + (backend.host_memory() ? step_bytes : 3 * step_bytes);
 }
 
 void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vector<int>& lengths, int new_tokens,

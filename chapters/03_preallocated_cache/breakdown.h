@@ -38,15 +38,18 @@ double measure_read_gbs(std::int64_t bytes, int threads);
 // of several timed rounds after a warm-up: the limit on a device whose memory the host cannot read.
 double measure_copy_gbs(Backend& backend, std::int64_t bytes);
 
+// What the roofline's two probes allocate, host and backend memory together: measure_matmul_gflops's matrices,
+// and the bandwidth probe's buffers for a step of `step_bytes` (measure_read_gbs: one host copy; measure_copy_gbs:
+// two in the backend and the host array that fills them).
+std::int64_t roofline_probe_bytes(const Backend& backend, std::int64_t step_bytes);
+
 // The KV cache bytes decode_breakdown holds for the whole sweep: two caches (the plain and the profiled
 // runs') of the longest length plus new_tokens positions. For the run's memory plan.
 std::int64_t breakdown_cache_bytes(const ModelConfig& c, const std::vector<int>& lengths, int new_tokens);
 
 // What else decode_breakdown allocates, host and backend memory together, for the run's memory plan: the
-// second, profiled model (its weights and working buffers), the matrices of measure_matmul_gflops, and the
-// bandwidth probe's buffers for the bytes of the longest step (measure_read_gbs: one host copy;
-// measure_copy_gbs: two in the backend and the host array that fills them). Gigabytes for a large
-// --synthetic model.
+// second, profiled model (its weights and working buffers) and the roofline probes for the bytes of the longest
+// step. Gigabytes for a large --synthetic model.
 std::int64_t breakdown_other_bytes(const ModelConfig& c, const Backend& backend, const std::vector<int>& lengths,
                                    int new_tokens);
 
