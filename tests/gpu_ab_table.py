@@ -4,8 +4,9 @@ p50s side by side (run-to-run spread is part of the result), from the CSVs `03_b
 
     python3 tests/gpu_ab_table.py OUT_DIR      # prints Markdown; gpu_session.sh writes it to OUT_DIR/ab_table.md
 
-Files read: OUT_DIR/{shipped,synthetic}_{base,release,plain}_{ROUND}.csv (plain: this build with
-KVS_PROGRAMMATIC_LAUNCH=0) and OUT_DIR/shipped_cpu1.csv (one CPU core, the same contexts). A column an older
+Files read: OUT_DIR/{shipped,synthetic}_{base,release,plain,chunks-S-R}_{ROUND}.csv (plain: this build with
+KVS_PROGRAMMATIC_LAUNCH=0; chunks-S-R: with KVS_DECODE_CHUNKS=S,R, the step chunks) and OUT_DIR/shipped_cpu1.csv
+(one CPU core, the same contexts). A column an older
 build's CSV lacks prints as "-". Standard library only: the GPU machine has python3 and nothing to install.
 
 Columns: step p50 (a plain run, ms), graph p50 (the step recorded once and replayed, ms), launches in the
@@ -25,7 +26,7 @@ def read_rounds(out: Path):
     """{(model, variant): {round: {context: row}}} from the files named as gpu_session.sh names them."""
     runs = {}
     for path in sorted(out.glob("*.csv")):
-        match = re.fullmatch(r"(shipped|synthetic)_(base|release|plain)_(\d+)\.csv", path.name)
+        match = re.fullmatch(r"(shipped|synthetic)_(base|release|plain|chunks-\d+-\d+)_(\d+)\.csv", path.name)
         if not match:
             continue
         model, variant, round_ = match.group(1), match.group(2), int(match.group(3))
@@ -48,8 +49,18 @@ def joined(values, form):
     return " / ".join("-" if v is None else form.format(v) for v in values)
 
 
+def label(variant):
+    """A build's name in the table: VARIANTS', or the chunks setting of this build."""
+    if variant in VARIANTS:
+        return VARIANTS[variant]
+    splits, rows = variant.split("-")[1:]
+    return f"this build, KVS_DECODE_CHUNKS={splits},{rows}"
+
+
 def table(model, runs, cpu_rows):
-    variants = [v for v in VARIANTS if (model, v) in runs]
+    chunks = sorted((v for m, v in runs if m == model and v.startswith("chunks-")),
+                    key=lambda v: tuple(int(x) for x in v.split("-")[1:]))
+    variants = [v for v in VARIANTS if (model, v) in runs] + chunks
     if not variants:
         return []
     contexts = sorted({c for v in variants for rows in runs[(model, v)].values() for c in rows})
@@ -67,7 +78,7 @@ def table(model, runs, cpu_rows):
             for r, g in zip(rounds, graph):
                 weights, kv, limit = number(r, "weight_bytes"), number(r, "kv_bytes"), number(r, "limit_gbs")
                 share.append((weights + kv) / (g * 1e6) / limit * 100 if g and weights and kv is not None and limit else None)
-            lines.append(f"| {context:,} | {VARIANTS[variant]} | {joined(step, '{:.3f}')} | {joined(graph, '{:.3f}')} | "
+            lines.append(f"| {context:,} | {label(variant)} | {joined(step, '{:.3f}')} | {joined(graph, '{:.3f}')} | "
                          f"{joined(launches, '{:.0f}')} | {joined(per_launch, '{:.1f}')} | {joined(share, '{:.0f}%')} |")
         if context in cpu_rows:
             lines.append(f"| {context:,} | one CPU core | {joined([number(cpu_rows[context], 'step_ms_p50')], '{:.3f}')} "
@@ -81,8 +92,8 @@ def main():
     out = Path(sys.argv[1])
     runs = read_rounds(out)
     if not runs:
-        sys.exit(f"gpu_ab_table.py: no {{shipped,synthetic}}_{{base,release,plain}}_ROUND.csv in {out}; "
-                 "run tests/gpu_session.sh with the step ab first")
+        sys.exit(f"gpu_ab_table.py: no {{shipped,synthetic}}_{{base,release,plain,chunks-S-R}}_ROUND.csv in {out}; "
+                 "run tests/gpu_session.sh with the step ab or chunks first")
     cpu_rows = {}
     if (out / "shipped_cpu1.csv").exists():
         with (out / "shipped_cpu1.csv").open(newline="") as f:

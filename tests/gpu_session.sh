@@ -4,9 +4,10 @@
 # (KVS_PROGRAMMATIC_LAUNCH=0); the test suite with the GPU present; compute-sanitizer on the kernel tests.
 # Usage, from the repository root on the GPU machine:
 #   bash tests/gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]
-# STEPS: a comma-separated list of build,ab,test,sanitize,profile,chapters,transcripts, run in the order given
+# STEPS: a comma-separated list of build,ab,chunks,test,sanitize,profile,chapters,transcripts, run in the order given
 # (default: build,ab,test,sanitize,profile,chapters; profile: the synthetic model's decode kernels under Nsight
-# Compute, each one's time and DRAM bytes, in profile.md, and what the decoding kernel's warps wait on;
+# Compute, each one's time and DRAM bytes, in profile.md, and what the decoding kernel's warps wait on; chunks:
+# this build's decode steps with decoding cut into other chunks, KVS_DECODE_CHUNKS, added to ab_table.md;
 # chapters: the batch throughput of chapter 08 and the formats' speed of chapter 10 on the GPU; transcripts: book
 # 07's GPU transcripts re-run, the book and its CSVs copied into OUT_DIR). Put the A/B right after the build: a call stopped at its time limit has the measurements.
 # Header-only dependencies the machine lacks (Eigen, doctest) may be given as a prefix in .deps/ (CMake config
@@ -25,7 +26,7 @@ out=${1:?usage: gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]}
 base=${2:-}
 steps=${3:-build,ab,test,sanitize,profile,chapters}
 mkdir -p "$out"
-known=",build,ab,test,sanitize,profile,chapters,transcripts,"
+known=",build,ab,chunks,test,sanitize,profile,chapters,transcripts,"
 IFS=, read -ra step_list <<<"$steps"
 for step in "${step_list[@]}"; do
   [[ $known == *",$step,"* ]] || { echo "gpu_session.sh: no step '$step' (steps: ${known:1:-1})" >&2; exit 2; }
@@ -39,6 +40,9 @@ step_done() {
   step_start=$SECONDS
 }
 jobs=$(nproc)
+# The breakdowns' models (03_benchmark's flags): the shipped one, and book 07's synthetic one (fp32, 2048 wide).
+shipped="--breakdown --lengths 32,512,1984 --max-new-tokens 64"
+synthetic="--synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown --max-new-tokens 32"
 prefix=(); [[ -d .deps ]] && prefix=(-DCMAKE_PREFIX_PATH="$PWD/.deps")
 configure() {  # source dir, build dir
   cmake -S "$1" -B "$2" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 -DKVS_CUDA=ON "${prefix[@]}" >"$out/configure_$(basename "$2").log" 2>&1
@@ -64,8 +68,6 @@ step_ab() {
     KVS_PROGRAMMATIC_LAUNCH=0 build/release/bin/kvs_tests -tc='recorded decoding:*' >"$out/smoke_plain.log" 2>&1 &&
       { export KVS_PROGRAMMATIC_LAUNCH=0; echo "smoke passes with KVS_PROGRAMMATIC_LAUNCH=0: the rest of this call runs with it"; }
   fi
-  shipped="--breakdown --lengths 32,512,1984 --max-new-tokens 64"
-  synthetic="--synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown --max-new-tokens 32"
   builds=(release); [[ -x build/base/bin/03_benchmark ]] && builds=(base release)
   for round in $(seq 1 "${AB_ROUNDS:-2}"); do
     for b in "${builds[@]}"; do
@@ -85,6 +87,26 @@ step_ab() {
   python3 tests/gpu_ab_table.py "$out" >"$out/ab_table.md" 2>&1; echo "== the A/B as book 07's tables (ab_table.md)"
   cat "$out/ab_table.md"
   step_done ab
+}
+step_chunks() {
+  # Decoding's chunks (KVS_DECODE_CHUNKS=SPLITS,ROWS, default 64,64): more, shorter chunks keep more of the GPU
+  # busy - at 512 positions the default's 8 chunks are 32 blocks of the synthetic model on 132 SMs, each warp four
+  # rounds of rows - but the last block of each KV head merges every chunk's partial. Each setting in turn, the
+  # rounds interleaved, the synthetic model at 512, 4,096 and 16,384 positions and the shipped one; CHUNKS
+  # (space-separated) replaces the settings. Their rows join ab_table.md.
+  for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+    for chunks in ${CHUNKS:-64,64 32,64 128,16 256,16}; do
+      name=chunks-${chunks/,/-}
+      KVS_DECODE_CHUNKS=$chunks build/release/bin/03_benchmark --backend cuda $synthetic --lengths 512,4096,16384 \
+        --csv "$out/synthetic_${name}_$round.csv" >"$out/synthetic_${name}_$round.log" 2>&1
+      KVS_DECODE_CHUNKS=$chunks build/release/bin/03_benchmark --backend cuda $shipped \
+        --csv "$out/shipped_${name}_$round.csv" >"$out/shipped_${name}_$round.log" 2>&1
+      echo "== round $round, KVS_DECODE_CHUNKS=$chunks"; grep -A4 "  context     step" "$out/synthetic_${name}_$round.log" | tail -4
+    done
+  done
+  python3 tests/gpu_ab_table.py "$out" >"$out/ab_table.md" 2>&1; echo "== ab_table.md, the chunks' rows with the A/B's"
+  cat "$out/ab_table.md"
+  step_done chunks
 }
 step_test() {
   start=$SECONDS

@@ -126,81 +126,91 @@ TEST_CASE("batched attention: each sequence gets the bits of its attention alone
   const AttentionShape shape{4, 2, 32};  // head_dim 32: the CPU's one-query sweep with 16, 8 and 4-float packets
   const int kv_dim = shape.n_kv_heads * shape.head_dim, dim = shape.n_heads * shape.head_dim;
   const int row_counts[] = {1, 65, 300, 5, 64, 130};  // the windowed ones (i % 3 == 2) longer than their window
-  test::for_each_backend(test::test_backend_names(), [&](Backend& backend) {
-    std::mt19937 gen(5);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    enum class Kind { kDecode, kPrefillChunk, kSinks };
-    for (const auto& [sequences, kind] : {std::pair{3, Kind::kDecode}, std::pair{70, Kind::kDecode},
-                                          std::pair{3, Kind::kPrefillChunk}, std::pair{3, Kind::kSinks}}) {
-      CAPTURE(sequences);
-      CAPTURE(int(kind));
-      struct Sequence {
-        std::vector<int> blocks;
-        std::vector<float> keys, values;  // host copies of the pool, for the reference
-        Buffer d_keys, d_values;
-        IntBuffer d_blocks;
-      };
-      std::vector<Sequence> held(sequences);
-      std::vector<Backend::AttentionPart> parts, host_parts;
-      std::vector<int> positions;  // each query's position: the last n of its view
-      int max_rows = 0;
-      for (int i = 0; i < sequences; ++i) {
-        Sequence& s = held[i];
-        // A first view of 4,500 rows in the batches of 3: over 4,096, the CUDA kernel's chunks grow past 64 rows
-        // (decode_rows_per_split), so its neighbours in the launch are cut into chunks of another size.
-        const int rows = sequences == 3 && i == 0 ? 4500 : row_counts[i % 6], block_size = i % 2 ? 16 : 3;
-        const int n = kind == Kind::kPrefillChunk && i == 1 ? 4 : 1;
-        s.blocks = shuffled_blocks(rows, block_size, gen);
-        const BlockTable host_table{s.blocks.data(), block_size};
-        const std::size_t pool_floats = std::size_t(blocks_needed(rows, block_size) + 2) * block_size * kv_dim;
-        s.keys.assign(pool_floats, NAN), s.values.assign(pool_floats, NAN);
-        for (int p = 0; p < rows; ++p)
-          for (int j = 0; j < kv_dim; ++j) {
-            s.keys[std::size_t(host_table.physical_row(p)) * kv_dim + j] = normal(gen);
-            s.values[std::size_t(host_table.physical_row(p)) * kv_dim + j] = normal(gen);
-          }
-        s.d_keys = test::to_backend(backend, s.keys), s.d_values = test::to_backend(backend, s.values);
-        s.d_blocks = IntBuffer(backend, s.blocks.size());
-        backend.from_host(s.d_blocks.data(), s.blocks.data(), s.blocks.size());
-        const Window window = kind == Kind::kSinks && i == 2 ? Window{16, 2} : i % 3 == 2 ? Window{16, 0} : Window{};
-        const KvView view{.keys = s.d_keys.data(), .values = s.d_values.data(), .rows = rows, .row_stride = kv_dim,
-                          .window = window, .paged = BlockTable{s.d_blocks.data(), block_size}};
-        KvView host_view = view;
-        host_view.keys = s.keys.data(), host_view.values = s.values.data(), host_view.paged = host_table;
-        parts.push_back({static_cast<int>(positions.size()), n, view});
-        host_parts.push_back({static_cast<int>(positions.size()), n, host_view});
-        for (int j = 0; j < n; ++j) positions.push_back(rows - n + j);
-        max_rows = std::max(max_rows, rows);
-      }
-      const int tokens = static_cast<int>(positions.size());
-      std::vector<float> q(std::size_t(tokens) * dim);
-      for (float& x : q) x = normal(gen);
-      const Buffer d_q = test::to_backend(backend, q);
-      IntBuffer d_positions(backend, positions.size());
-      backend.from_host(d_positions.data(), positions.data(), positions.size());
-      Buffer d_out(backend, q.size()), scratch(backend, backend.attention_scratch_floats(shape, max_rows, sequences));
-      backend.attention_batch(d_out.data(), d_q.data(), d_positions.data(), parts, shape, {scratch.data(), scratch.size()});
-      const std::vector<float> batched = test::from_backend(backend, d_out);
+  // Twice: with the CUDA kernel's default chunks, and in up to 256 chunks of one row (KVS_DECODE_CHUNKS), where the
+  // view of 4,500 rows makes a grid of 256 chunks and each query fills the chunks its rows make, 1 to 250 (the CPU
+  // backends repeat themselves).
+  const test::UnsetAtExit unset{"KVS_DECODE_CHUNKS"};
+  for (const std::string chunks : {"", "256,1"}) {
+    CAPTURE(chunks);
+    if (!chunks.empty()) setenv("KVS_DECODE_CHUNKS", chunks.c_str(), 1);
+    test::for_each_backend(test::test_backend_names(), [&](Backend& backend) {
+      std::mt19937 gen(5);
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      enum class Kind { kDecode, kPrefillChunk, kSinks };
+      for (const auto& [sequences, kind] : {std::pair{3, Kind::kDecode}, std::pair{70, Kind::kDecode},
+                                            std::pair{3, Kind::kPrefillChunk}, std::pair{3, Kind::kSinks}}) {
+        CAPTURE(sequences);
+        CAPTURE(int(kind));
+        struct Sequence {
+          std::vector<int> blocks;
+          std::vector<float> keys, values;  // host copies of the pool, for the reference
+          Buffer d_keys, d_values;
+          IntBuffer d_blocks;
+        };
+        std::vector<Sequence> held(sequences);
+        std::vector<Backend::AttentionPart> parts, host_parts;
+        std::vector<int> positions;  // each query's position: the last n of its view
+        int max_rows = 0;
+        for (int i = 0; i < sequences; ++i) {
+          Sequence& s = held[i];
+          // A first view of 4,500 rows in the batches of 3: over 4,096, the CUDA kernel's chunks grow past 64 rows
+          // (DecodeChunks::rows_per_split), so its neighbours in the launch are cut into chunks of another size.
+          const int rows = sequences == 3 && i == 0 ? 4500 : row_counts[i % 6], block_size = i % 2 ? 16 : 3;
+          const int n = kind == Kind::kPrefillChunk && i == 1 ? 4 : 1;
+          s.blocks = shuffled_blocks(rows, block_size, gen);
+          const BlockTable host_table{s.blocks.data(), block_size};
+          const std::size_t pool_floats = std::size_t(blocks_needed(rows, block_size) + 2) * block_size * kv_dim;
+          s.keys.assign(pool_floats, NAN), s.values.assign(pool_floats, NAN);
+          for (int p = 0; p < rows; ++p)
+            for (int j = 0; j < kv_dim; ++j) {
+              s.keys[std::size_t(host_table.physical_row(p)) * kv_dim + j] = normal(gen);
+              s.values[std::size_t(host_table.physical_row(p)) * kv_dim + j] = normal(gen);
+            }
+          s.d_keys = test::to_backend(backend, s.keys), s.d_values = test::to_backend(backend, s.values);
+          s.d_blocks = IntBuffer(backend, s.blocks.size());
+          backend.from_host(s.d_blocks.data(), s.blocks.data(), s.blocks.size());
+          const Window window = kind == Kind::kSinks && i == 2 ? Window{16, 2} : i % 3 == 2 ? Window{16, 0} : Window{};
+          const KvView view{.keys = s.d_keys.data(), .values = s.d_values.data(), .rows = rows, .row_stride = kv_dim,
+                            .window = window, .paged = BlockTable{s.d_blocks.data(), block_size}};
+          KvView host_view = view;
+          host_view.keys = s.keys.data(), host_view.values = s.values.data(), host_view.paged = host_table;
+          parts.push_back({static_cast<int>(positions.size()), n, view});
+          host_parts.push_back({static_cast<int>(positions.size()), n, host_view});
+          for (int j = 0; j < n; ++j) positions.push_back(rows - n + j);
+          max_rows = std::max(max_rows, rows);
+        }
+        const int tokens = static_cast<int>(positions.size());
+        std::vector<float> q(std::size_t(tokens) * dim);
+        for (float& x : q) x = normal(gen);
+        const Buffer d_q = test::to_backend(backend, q);
+        IntBuffer d_positions(backend, positions.size());
+        backend.from_host(d_positions.data(), positions.data(), positions.size());
+        Buffer d_out(backend, q.size()), scratch(backend, backend.attention_scratch_floats(shape, max_rows, sequences));
+        backend.attention_batch(d_out.data(), d_q.data(), d_positions.data(), parts, shape,
+                                {scratch.data(), scratch.size()});
+        const std::vector<float> batched = test::from_backend(backend, d_out);
 
-      int identical = 0;
-      float worst = 0;
-      for (int i = 0; i < sequences; ++i) {
-        const Backend::AttentionPart& p = parts[i];
-        const std::size_t at = std::size_t(p.offset) * dim, count = std::size_t(p.n) * dim;
-        Buffer alone(backend, count), alone_scratch(backend, backend.attention_scratch_floats(shape, p.kv.rows, 1));
-        backend.attention(alone.data(), d_q.data() + at, d_positions.data() + p.offset, p.n, p.kv, shape,
-                          {alone_scratch.data(), alone_scratch.size()}, nullptr);
-        const std::vector<float> got = test::from_backend(backend, alone);
-        identical += std::memcmp(got.data(), batched.data() + at, count * sizeof(float)) == 0;
-        std::vector<float> expected(count);
-        reference_attention(expected.data(), q.data() + at, positions[p.offset], p.n, host_parts[i].kv, shape);
-        for (std::size_t j = 0; j < count; ++j)
-          worst = std::isfinite(batched[at + j]) ? std::max(worst, std::abs(batched[at + j] - expected[j])) : INFINITY;
+        int identical = 0;
+        float worst = 0;
+        for (int i = 0; i < sequences; ++i) {
+          const Backend::AttentionPart& p = parts[i];
+          const std::size_t at = std::size_t(p.offset) * dim, count = std::size_t(p.n) * dim;
+          Buffer alone(backend, count), alone_scratch(backend, backend.attention_scratch_floats(shape, p.kv.rows, 1));
+          backend.attention(alone.data(), d_q.data() + at, d_positions.data() + p.offset, p.n, p.kv, shape,
+                            {alone_scratch.data(), alone_scratch.size()}, nullptr);
+          const std::vector<float> got = test::from_backend(backend, alone);
+          identical += std::memcmp(got.data(), batched.data() + at, count * sizeof(float)) == 0;
+          std::vector<float> expected(count);
+          reference_attention(expected.data(), q.data() + at, positions[p.offset], p.n, host_parts[i].kv, shape);
+          for (std::size_t j = 0; j < count; ++j)
+            worst = std::isfinite(batched[at + j]) ? std::max(worst, std::abs(batched[at + j] - expected[j]))
+                                                   : INFINITY;
+        }
+        CHECK(identical == sequences);
+        CHECK(worst < 1e-5f);  // float sums against the reference's doubles over <= 4,500 rows of head_dim 32
       }
-      CHECK(identical == sequences);
-      CHECK(worst < 1e-5f);  // float sums against the reference's doubles over <= 4,500 rows of head_dim 32
-    }
-  });
+    });
+  }
 }
 
 // Backend::write_paged_batch against its definition (write_paged_rows / write_paged_coded_rows part by part, as

@@ -70,12 +70,6 @@ std::vector<std::string> kernel_backends() {
   return names;
 }
 
-// Unsets an environment variable the backend reads when it goes out of scope, whatever happened (another test
-// case may run in this process).
-struct UnsetAtExit {
-  const char* name;
-  ~UnsetAtExit() { unsetenv(name); }
-};
 
 }  // namespace
 
@@ -264,7 +258,7 @@ TEST_CASE("cuda kernels: the fused norm-products (a cache write in them), SwiGLU
 // lowers the limit, so a call of more tokens takes the definition; anything but 1 to 64 refuses the backend with
 // the reason.
 TEST_CASE("cuda kernels: KVS_GEMV_MAX_TOKENS lowers the fused products' limit and refuses what is not 1 to 64") {
-  const UnsetAtExit unset{"KVS_GEMV_MAX_TOKENS"};
+  const test::UnsetAtExit unset{"KVS_GEMV_MAX_TOKENS"};
   for (const std::string& name : kernel_backends()) {
     CAPTURE(name);
     setenv("KVS_GEMV_MAX_TOKENS", "8", 1);
@@ -321,7 +315,7 @@ TEST_CASE("cuda kernels: every kernel's first statement is KVS_WAIT_FOR_PREVIOUS
 // KVS_PROGRAMMATIC_LAUNCH (tests/gpu_session.sh's A/B of programmatic dependent launch): 0 or 1; anything else
 // refuses the backend with the reason, on a GPU and through the harness alike.
 TEST_CASE("cuda kernels: KVS_PROGRAMMATIC_LAUNCH takes 0 or 1 and refuses anything else") {
-  const UnsetAtExit unset{"KVS_PROGRAMMATIC_LAUNCH"};
+  const test::UnsetAtExit unset{"KVS_PROGRAMMATIC_LAUNCH"};
   for (const std::string& name : kernel_backends()) {
     CAPTURE(name);
     for (const char* value : {"0", "1"}) {
@@ -377,116 +371,158 @@ TEST_CASE("cuda kernels: RoPE tables and rotations equal the CPU backend and the
   });
 }
 
+// Runs the backend's attention over `positions` rows (negative: an empty row holding NaN) for queries
+// at pos .. pos + n - 1 and compares with the reference.
+// rotate_at_read: keys and queries unrotated, attention rotates them (chapter 04's within-window RoPE).
+static void check_attention(Backend& b, std::mt19937& gen, const AttentionShape& shape,
+                            const std::vector<int>& positions, bool explicit_positions, int first_position, Window window, int pos, int n,
+                            bool rotate_at_read = false) {
+  CAPTURE(shape.n_heads); CAPTURE(shape.n_kv_heads); CAPTURE(shape.head_dim);
+  CAPTURE(positions.size()); CAPTURE(pos); CAPTURE(n); CAPTURE(window.size); CAPTURE(window.sinks);
+  CAPTURE(rotate_at_read);
+  const int rows = static_cast<int>(positions.size()), kv_dim = shape.n_kv_heads * shape.head_dim;
+  const int stride = kv_dim + 3;  // rows further apart than their data: the stride is honoured
+  const int dim = shape.n_heads * shape.head_dim;
+  std::vector<float> keys = random_vector(std::size_t(rows) * stride, gen), values = random_vector(keys.size(), gen);
+  for (int r = 0; r < rows; ++r)
+    if (positions[r] < 0)
+      for (int j = 0; j < stride; ++j)
+        keys[std::size_t(r) * stride + j] = values[std::size_t(r) * stride + j] = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> q = random_vector(std::size_t(n) * dim, gen);
+  const std::vector<float> table = rotate_at_read ? test::rope_table(window.size, shape.head_dim) : std::vector<float>{};
+  const KvView host_view{.keys = keys.data(), .values = values.data(), .rows = rows, .row_stride = stride,
+                         .row_positions = explicit_positions ? positions.data() : nullptr,
+                         .first_position = first_position, .window = window,
+                         .read_rope = rotate_at_read ? table.data() : nullptr};
+  std::vector<float> want(q.size()), want_weights(std::size_t(n) * shape.n_heads * rows);
+  reference_attention(want.data(), q.data(), pos, n, host_view, shape, want_weights.data());
+
+  Buffer d_keys = test::to_backend(b, keys), d_values = test::to_backend(b, values), d_q = test::to_backend(b, q);
+  Buffer d_out(b, q.size()), scratch(b, b.attention_scratch_floats(shape, rows, 1));
+  Buffer d_table = test::to_backend(b, table);
+  IntBuffer d_positions(b, positions.size());  // a view's row positions live in backend memory too
+  b.from_host(d_positions.data(), positions.data(), positions.size());
+  KvView view = host_view;
+  view.keys = d_keys.data(), view.values = d_values.data();
+  if (explicit_positions) view.row_positions = d_positions.data();
+  if (rotate_at_read) view.read_rope = d_table.data();
+  const IntBuffer query_positions = consecutive_positions(b, pos, n);
+  b.attention(d_out.data(), d_q.data(), query_positions.data(), n, view, shape, {scratch.data(), scratch.size()}, nullptr);
+  CHECK(worst_excess(test::from_backend(b, d_out), want, 1e-4f) <= 0);
+  // Observed: the same output, and the weights (poisoned first, so every entry must be written).
+  Buffer d_weights = test::to_backend(b, std::vector<float>(want_weights.size(), NAN));
+  b.attention(d_out.data(), d_q.data(), query_positions.data(), n, view, shape, {scratch.data(), scratch.size()},
+              d_weights.data());
+  CHECK(worst_excess(test::from_backend(b, d_out), want, 1e-4f) <= 0);
+  CHECK(worst_excess(test::from_backend(b, d_weights), want_weights, 1e-5f) <= 0);
+}
+
+// The slots' positions of a ring of 600 (4 sinks, then 596 slots in turn) after position 1,000, four slots empty.
+static std::vector<int> ring_of_600() {
+  std::vector<int> ring(600);
+  const int query = 1000;
+  for (int slot = 0; slot < 600; ++slot) ring[slot] = slot < 4 ? slot : -1;
+  for (int position = query - 595; position <= query; ++position) ring[4 + (position - 4) % 596] = position;
+  for (int slot : {10, 11, 300, 599}) ring[slot] = -1;
+  return ring;
+}
+
+static std::vector<int> consecutive(int rows, int first) {
+  std::vector<int> p(rows);
+  for (int r = 0; r < rows; ++r) p[r] = first + r;
+  return p;
+}
+
 TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind of view") {
   std::mt19937 gen(10);
   test::for_each_backend(kernel_backends(), [&](Backend& b) {
-    // Runs the backend's attention over `positions` rows (negative: an empty row holding NaN) for queries
-    // at pos .. pos + n - 1 and compares with the reference.
-    // rotate_at_read: keys and queries unrotated, attention rotates them (chapter 04's within-window RoPE).
-    auto check = [&](const AttentionShape& shape, const std::vector<int>& positions, bool explicit_positions,
-                     int first_position, Window window, int pos, int n, bool rotate_at_read = false) {
-      CAPTURE(shape.n_heads); CAPTURE(shape.n_kv_heads); CAPTURE(shape.head_dim);
-      CAPTURE(positions.size()); CAPTURE(pos); CAPTURE(n); CAPTURE(window.size); CAPTURE(window.sinks);
-      CAPTURE(rotate_at_read);
-      const int rows = static_cast<int>(positions.size()), kv_dim = shape.n_kv_heads * shape.head_dim;
-      const int stride = kv_dim + 3;  // rows further apart than their data: the stride is honoured
-      const int dim = shape.n_heads * shape.head_dim;
-      std::vector<float> keys = random_vector(std::size_t(rows) * stride, gen), values = random_vector(keys.size(), gen);
-      for (int r = 0; r < rows; ++r)
-        if (positions[r] < 0)
-          for (int j = 0; j < stride; ++j)
-            keys[std::size_t(r) * stride + j] = values[std::size_t(r) * stride + j] = std::numeric_limits<float>::quiet_NaN();
-      const std::vector<float> q = random_vector(std::size_t(n) * dim, gen);
-      const std::vector<float> table = rotate_at_read ? test::rope_table(window.size, shape.head_dim) : std::vector<float>{};
-      const KvView host_view{.keys = keys.data(), .values = values.data(), .rows = rows, .row_stride = stride,
-                             .row_positions = explicit_positions ? positions.data() : nullptr,
-                             .first_position = first_position, .window = window,
-                             .read_rope = rotate_at_read ? table.data() : nullptr};
-      std::vector<float> want(q.size()), want_weights(std::size_t(n) * shape.n_heads * rows);
-      reference_attention(want.data(), q.data(), pos, n, host_view, shape, want_weights.data());
-
-      Buffer d_keys = test::to_backend(b, keys), d_values = test::to_backend(b, values), d_q = test::to_backend(b, q);
-      Buffer d_out(b, q.size()), scratch(b, b.attention_scratch_floats(shape, rows, 1));
-      Buffer d_table = test::to_backend(b, table);
-      IntBuffer d_positions(b, positions.size());  // a view's row positions live in backend memory too
-      b.from_host(d_positions.data(), positions.data(), positions.size());
-      KvView view = host_view;
-      view.keys = d_keys.data(), view.values = d_values.data();
-      if (explicit_positions) view.row_positions = d_positions.data();
-      if (rotate_at_read) view.read_rope = d_table.data();
-      const IntBuffer query_positions = consecutive_positions(b, pos, n);
-      b.attention(d_out.data(), d_q.data(), query_positions.data(), n, view, shape, {scratch.data(), scratch.size()}, nullptr);
-      CHECK(worst_excess(test::from_backend(b, d_out), want, 1e-4f) <= 0);
-      // Observed: the same output, and the weights (poisoned first, so every entry must be written).
-      Buffer d_weights = test::to_backend(b, std::vector<float>(want_weights.size(), NAN));
-      b.attention(d_out.data(), d_q.data(), query_positions.data(), n, view, shape, {scratch.data(), scratch.size()},
-                  d_weights.data());
-      CHECK(worst_excess(test::from_backend(b, d_out), want, 1e-4f) <= 0);
-      CHECK(worst_excess(test::from_backend(b, d_weights), want_weights, 1e-5f) <= 0);
-    };
-    auto consecutive = [](int rows, int first) {
-      std::vector<int> p(rows);
-      for (int r = 0; r < rows; ++r) p[r] = first + r;
-      return p;
-    };
     const AttentionShape mha{4, 4, 32}, gqa{6, 2, 96}, mqa{4, 1, 256};
     // Decode: one query over every cached row (the chapters' cache), lengths around warp and block sizes.
-    for (int rows : {1, 31, 33, 97, 255, 257, 1023, 2048}) check(mha, consecutive(rows, 0), false, 0, {}, rows - 1, 1);
-    for (const AttentionShape& shape : {gqa, mqa}) check(shape, consecutive(97, 0), false, 0, {}, 96, 1);
+    for (int rows : {1, 31, 33, 97, 255, 257, 1023, 2048})
+      check_attention(b, gen, mha, consecutive(rows, 0), false, 0, {}, rows - 1, 1);
+    for (const AttentionShape& shape : {gqa, mqa})
+      check_attention(b, gen, shape, consecutive(97, 0), false, 0, {}, 96, 1);
     // Decoding blocks serve up to 4 query heads of one KV head (the largest divisor of the group): groups of 8
     // (two blocks per KV head) and 5 (one head per block); head_dim 40 and 64 (two elements per lane); rows
     // around a chunk (64) and the rows a warp loads at once (4).
     const AttentionShape group8{8, 1, 64}, group5{10, 2, 40};
     for (int rows : {63, 64, 65, 67, 130}) {
-      check(group8, consecutive(rows, 0), false, 0, {}, rows - 1, 1);
-      check(group5, consecutive(rows, 0), false, 0, {}, rows - 1, 1);
+      check_attention(b, gen, group8, consecutive(rows, 0), false, 0, {}, rows - 1, 1);
+      check_attention(b, gen, group5, consecutive(rows, 0), false, 0, {}, rows - 1, 1);
     }
     // Past 64 chunks of 64 rows (4,096) the chunks grow: 4,200 rows are 64 chunks of 66 rows, the last of 42
-    // (chunks of 64 would be 66, more than the merge's kMaxSplits).
-    check(group8, consecutive(4200, 0), false, 0, {}, 4199, 1);
+    // (chunks of 64 would be 66, more than the default's 64 chunks).
+    check_attention(b, gen, group8, consecutive(4200, 0), false, 0, {}, 4199, 1);
     // Prefill: causal over the whole prompt, and a chunk after a cached prefix.
-    check(gqa, consecutive(70, 0), false, 0, {}, 0, 70);
-    check(mha, consecutive(257, 0), false, 0, {}, 193, 64);
+    check_attention(b, gen, gqa, consecutive(70, 0), false, 0, {}, 0, 70);
+    check_attention(b, gen, mha, consecutive(257, 0), false, 0, {}, 193, 64);
     // Prefill in tiles of 64 queries and 64 keys (attention_tiled_kernel): 130 queries (three tiles, the last
     // of 2), head_dim 40 and 64 (padded to the kernel's 64); a whole buffer whose rows past the last query are
     // unwritten (NaN) from inside a tile on; a window without sinks that hides whole tiles of keys from the
     // first tiles of queries; a ring with a window and sinks, its empty slots NaN, several queries.
-    check(group5, consecutive(130, 0), false, 0, {}, 0, 130);
+    check_attention(b, gen, group5, consecutive(130, 0), false, 0, {}, 0, 130);
     std::vector<int> prefilled = consecutive(300, 0);
     std::fill(prefilled.begin() + 200, prefilled.end(), -1);
-    check(group8, prefilled, false, 0, {}, 100, 100);
-    check(mha, consecutive(400, 0), false, 0, Window{.size = 70, .sinks = 0}, 200, 130);
-    check(gqa, {0, 1, 2, 3, 140, 141, 142, 143, 144, 129, 130, 131, -1, -1, 132, 133}, true, 0,
+    check_attention(b, gen, group8, prefilled, false, 0, {}, 100, 100);
+    check_attention(b, gen, mha, consecutive(400, 0), false, 0, Window{.size = 70, .sinks = 0}, 200, 130);
+    check_attention(b, gen, gqa, {0, 1, 2, 3, 140, 141, 142, 143, 144, 129, 130, 131, -1, -1, 132, 133}, true, 0,
           Window{.size = 20, .sinks = 4}, 140, 5);
     // A view that starts past position 0, and a window with sinks over a contiguous view.
-    check(mha, consecutive(40, 100), false, 100, {}, 120, 20);
-    check(gqa, consecutive(257, 0), false, 0, Window{.size = 64, .sinks = 4}, 250, 7);
+    check_attention(b, gen, mha, consecutive(40, 100), false, 100, {}, 120, 20);
+    check_attention(b, gen, gqa, consecutive(257, 0), false, 0, Window{.size = 64, .sinks = 4}, 250, 7);
     // A ring: per-row positions out of order, empty slots holding NaN, a window with sinks.
     std::vector<int> ring = {0, 1, 2, 3, 140, 141, 142, 143, 144, 129, 130, 131, -1, -1, 132, 133};
-    check(gqa, ring, true, 0, Window{.size = 12, .sinks = 4}, 144, 1);
-    check(mqa, ring, true, 0, Window{.size = 20, .sinks = 4}, 140, 5);
+    check_attention(b, gen, gqa, ring, true, 0, Window{.size = 12, .sinks = 4}, 144, 1);
+    check_attention(b, gen, mqa, ring, true, 0, Window{.size = 20, .sinks = 4}, 140, 5);
     // Read-time rotation over the same ring, past the window (sinks moved up to it) and before it fills.
-    check(gqa, ring, true, 0, Window{.size = 12, .sinks = 4}, 144, 1, true);
-    check(mqa, ring, true, 0, Window{.size = 20, .sinks = 4}, 140, 5, true);
-    check(mha, consecutive(33, 0), false, 0, Window{.size = 40, .sinks = 0}, 20, 13, true);
+    check_attention(b, gen, gqa, ring, true, 0, Window{.size = 12, .sinks = 4}, 144, 1, true);
+    check_attention(b, gen, mqa, ring, true, 0, Window{.size = 20, .sinks = 4}, 140, 5, true);
+    check_attention(b, gen, mha, consecutive(33, 0), false, 0, Window{.size = 40, .sinks = 0}, 20, 13, true);
     // Nothing visible at all (a deliberately broken cache): the output is 0, not NaN.
-    check(mha, {-1, -1, 500}, true, 0, {}, 10, 1);
+    check_attention(b, gen, mha, {-1, -1, 500}, true, 0, {}, 10, 1);
     // Decoding over a long view runs split into chunks of rows (64 rows or more each) and merged: a whole
     // preallocated buffer whose rows past the query are unwritten (NaN), whole chunks past the query's row;
     // a window with sinks that hides whole chunks (a chunk with nothing visible must add nothing); a ring
     // of 600 slots, out of order, with empty slots, stored rotated and rotated at read time.
     std::vector<int> buffer = consecutive(1100, 0);
     std::fill(buffer.begin() + 701, buffer.end(), -1);
-    check(gqa, buffer, false, 0, {}, 700, 1);
-    check(mha, consecutive(1100, 0), false, 0, Window{.size = 300, .sinks = 4}, 1099, 1);
-    std::vector<int> long_ring(600);
-    const int query = 1000;
-    for (int slot = 0; slot < 600; ++slot) long_ring[slot] = slot < 4 ? slot : -1;
-    for (int position = query - 595; position <= query; ++position) long_ring[4 + (position - 4) % 596] = position;
-    for (int slot : {10, 11, 300, 599}) long_ring[slot] = -1;
-    check(mqa, long_ring, true, 0, Window{.size = 600, .sinks = 4}, query, 1);
-    check(gqa, long_ring, true, 0, Window{.size = 600, .sinks = 4}, query, 1, true);
+    check_attention(b, gen, gqa, buffer, false, 0, {}, 700, 1);
+    check_attention(b, gen, mha, consecutive(1100, 0), false, 0, Window{.size = 300, .sinks = 4}, 1099, 1);
+    check_attention(b, gen, mqa, ring_of_600(), true, 0, Window{.size = 600, .sinks = 4}, 1000, 1);
+    check_attention(b, gen, gqa, ring_of_600(), true, 0, Window{.size = 600, .sinks = 4}, 1000, 1, true);
   });
+}
+
+// KVS_DECODE_CHUNKS (tests/gpu_session.sh's chunks step: more, shorter chunks keep more of a GPU busy; the merge
+// reads every chunk's partial): other cuts of the views above give the reference's output. 256,1 cuts a buffer of
+// 1,100 rows into 220 chunks (of 5) but the 701 rows its query visits into 234 (of 3), more than the buffer's cut:
+// the grid must hold the most chunks of any query; 256 rows into 256 chunks of one row, the most the merge takes;
+// 7,5 cuts into chunks no round of a block's warps fills; 1,1 into one chunk, never merged. Anything but SPLITS,ROWS
+// in range refuses the backend with the reason, on a GPU and through the harness alike.
+TEST_CASE("cuda kernels: decoding cut into other chunks (KVS_DECODE_CHUNKS) equals the reference, and bad values are refused") {
+  const test::UnsetAtExit unset{"KVS_DECODE_CHUNKS"};
+  std::mt19937 gen(11);
+  const AttentionShape mha{4, 4, 32}, gqa{6, 2, 96}, group8{8, 1, 64};
+  std::vector<int> buffer = consecutive(1100, 0);
+  std::fill(buffer.begin() + 701, buffer.end(), -1);
+  for (const std::string chunks : {"256,1", "128,16", "7,5", "1,1"}) {
+    CAPTURE(chunks);
+    setenv("KVS_DECODE_CHUNKS", chunks.c_str(), 1);
+    test::for_each_backend(kernel_backends(), [&](Backend& b) {
+      check_attention(b, gen, gqa, buffer, false, 0, {}, 700, 1);
+      check_attention(b, gen, group8, consecutive(256, 0), false, 0, {}, 255, 1);
+      check_attention(b, gen, mha, consecutive(1100, 0), false, 0, Window{.size = 300, .sinks = 4}, 1099, 1);
+      check_attention(b, gen, gqa, ring_of_600(), true, 0, Window{.size = 600, .sinks = 4}, 1000, 1, true);
+    });
+  }
+  for (const std::string& name : kernel_backends()) {
+    CAPTURE(name);
+    for (const std::string value : {"0,16", "257,16", "64", "64,0", "64,65537", "64,16x", ",16", "64,", "", "x"}) {
+      CAPTURE(value);
+      setenv("KVS_DECODE_CHUNKS", value.c_str(), 1);
+      CHECK_THROWS_WITH_AS(test::make_test_backend(name), doctest::Contains("expected SPLITS,ROWS"), std::invalid_argument);
+    }
+  }
 }
 
 // The split decoding kernel counts each (KV head, tile, sequence)'s finished chunks in counters the backend holds

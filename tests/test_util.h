@@ -20,6 +20,13 @@
 
 namespace kvs::test {
 
+// Unsets an environment variable a backend reads when it goes out of scope, whatever happened (another test case
+// may run in this process).
+struct UnsetAtExit {
+  const char* name;
+  ~UnsetAtExit() { unsetenv(name); }
+};
+
 inline std::string golden_path(const std::string& file) { return std::string(KVS_GOLDEN_DIR) + "/" + file; }
 
 // The shipped model's held-out text (data/kjv/valid.txt), whole.

@@ -477,10 +477,10 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
 
 // Decoding: one query per sequence - sequence z (blockIdx.z; one for a single decode step, up to
 // kMaxBatchSequences for a batch's) at positions[z], its q and out rows z (n_heads · head_dim each), over
-// views.view[z] - the rows it visits (KvView::rows_to_visit) split into chunks of decode_rows_per_split of them.
+// views.view[z] - the rows it visits (KvView::rows_to_visit) split into chunks by `chunks` (DecodeChunks).
 // Block (x, s, z) takes KV head x / tiles and `tile` of the query heads that read it (tiles = group / tile; tile
 // <= kMaxTile), over chunk s (a chunk past the rows the query visits - a batch's grid has the most chunks any of
-// its views can make - sees nothing and writes a partial of max -inf, which the merge skips: each sequence gets
+// its views can make - sees nothing and writes a partial of max -inf, which the merge weighs 0: each sequence gets
 // the bits it gets alone). Warp w
 // takes kRowsInFlight consecutive rows at a time (rows row_begin + (w + k · warps) · kRowsInFlight ...): it
 // loads their keys and values first - independent loads, all in flight at once - then scores them for each of
@@ -503,26 +503,59 @@ constexpr int kDecodeWarps = 4;
 // sequences, up to 256 query heads at a batch's kMaxBatchSequences (64 KB).
 constexpr std::size_t kArrivalCounters = 256 * kMaxBatchSequences;
 
-// Decoding's chunks: kRowsPerSplit rows each (four rounds of a block's warps, kRowsInFlight rows each), more
-// where a view would need more than kMaxSplits of them: the merge reads every chunk's partial, and at 16,384
-// positions 256 chunks of 64 rows made the synthetic model's step 3.9-4.1 ms, 64 chunks of 256 rows 3.4-3.5
-// (H100, one run; 8 warps per block: 2-6% faster at 512 and 4,096 positions, 5-9% slower at 16,384; 8 rows in
-// flight: slower at each). A view of one chunk needs no merge. The chunks cut the rows a query visits, not the
-// view's rows: a preallocated buffer of 16,416 rows cut by its size made chunks of 257 rows, and a query at
-// position 512 kept 2 or 3 blocks a KV head busy while the others saw nothing (its step 2.59 ms, against 1.72 in a
-// buffer of 4,128 rows, whose chunks are 65 rows long: H100, 2026-11-26). So a view of a whole buffer and one of its
-// written prefix give the same bits (tested). The kernel cuts each sequence's rows; the host sizes the grid for
-// the most chunks a view's rows can make (decode_splits never grows as the rows shrink).
-constexpr int kRowsPerSplit = 4 * kDecodeWarps * kRowsInFlight;
-constexpr int kMaxSplits = 64;
+// Decoding's chunks (DecodeChunks): every view's rows cut into at most max_splits chunks of at least min_rows rows
+// each. By default 64 chunks of 64 rows or more (four rounds of a block's warps, kRowsInFlight rows each): the merge
+// reads every chunk's partial, and at 16,384 positions 256 chunks of 64 rows made the synthetic model's step
+// 3.9-4.1 ms, 64 chunks of 256 rows 3.4-3.5 (H100, one run, the merge then a kernel of its own; 8 warps per block:
+// 2-6% faster at 512 and 4,096 positions, 5-9% slower at 16,384; 8 rows in flight: slower at each). A view of
+// one chunk needs no merge. The chunks cut the rows a query visits, not the view's rows: a preallocated buffer of
+// 16,416 rows cut by its size made chunks of 257 rows, and a query at position 512 kept 2 or 3 blocks a KV head
+// busy while the others saw nothing (its step 2.59 ms, against 1.72 in a buffer of 4,128 rows, whose chunks are 65
+// rows long: H100, 2026-11-26). So a view of a whole buffer and one of its written prefix give the same bits
+// (tested). The kernel cuts each sequence's rows; the host sizes the grid for the most chunks a view's rows can
+// make (grid_splits). Never the batch's size: a sequence is cut the same alone and in a
+// batch, so it gets the same bits.
+constexpr int kRowsPerRound = kDecodeWarps * kRowsInFlight;  // the rows a block's warps load at once
+constexpr int kMaxSplits = 256;  // the most chunks KVS_DECODE_CHUNKS may ask for (the merge's weights in shared memory)
 
-KVS_HOST_DEVICE int decode_rows_per_split(int rows) {
-  const int even = (rows + kMaxSplits - 1) / kMaxSplits;
-  return even > kRowsPerSplit ? even : kRowsPerSplit;
-}
-KVS_HOST_DEVICE int decode_splits(int rows) {
-  const int splits = (rows + decode_rows_per_split(rows) - 1) / decode_rows_per_split(rows);
-  return splits > 1 ? splits : 1;
+struct DecodeChunks {
+  int max_splits = 64;
+  int min_rows = 4 * kRowsPerRound;
+
+  // The rows of each chunk of a query that visits `rows` rows (the kernel's cut; the last chunk may be shorter).
+  KVS_HOST_DEVICE int rows_per_split(int rows) const {
+    const int even = (rows + max_splits - 1) / max_splits;
+    return even > min_rows ? even : min_rows;
+  }
+  // The grid's chunks for a view of `rows` rows: the most that any query visiting up to `rows` of them is cut into
+  // (rows_per_split(r) chunks r rows into at most max_splits chunks, and at most ceil(r / min_rows)). Not the cut of
+  // `rows` itself: 1,100 rows in chunks of at most 256 are 220 chunks of 5 rows, and a query visiting 701 of them
+  // needs 234 chunks of 3 (a chunk past the grid would never be read). A chunk past a query's rows sees nothing.
+  int grid_splits(int rows) const {
+    return std::clamp((rows + min_rows - 1) / min_rows, 1, max_splits);
+  }
+};
+
+// The chunks decoding cuts views into on this run: DecodeChunks' default, or KVS_DECODE_CHUNKS=SPLITS,ROWS where set
+// (at most SPLITS chunks, 1 to kMaxSplits, of at least ROWS rows, 1 to 65,536). Why a variable: how many blocks keep
+// an H100's memory busy, against what the merge of more chunks costs, is a GPU's measurement (at 512 positions the
+// default's 8 chunks are 32 blocks of the synthetic model on 132 SMs), and tests/gpu_session.sh makes it with one
+// build (its chunks step).
+DecodeChunks decode_chunks() {
+  const char* value = std::getenv("KVS_DECODE_CHUNKS");
+  if (!value) return {};
+  DecodeChunks chunks;
+  char* comma = nullptr;
+  char* end = nullptr;
+  const long splits = std::strtol(value, &comma, 10);
+  const long rows = comma != value && *comma == ',' ? std::strtol(comma + 1, &end, 10) : 0;
+  if (!end || end == comma + 1 || *end != '\0' || splits < 1 || splits > kMaxSplits || rows < 1 || rows > 65536)
+    throw std::invalid_argument(std::string("KVS_DECODE_CHUNKS=") + value +
+                                ": expected SPLITS,ROWS (at most SPLITS chunks, 1 to " + std::to_string(kMaxSplits) +
+                                ", of at least ROWS rows, 1 to 65536, e.g. 128,16); unset it for " +
+                                std::to_string(chunks.max_splits) + "," + std::to_string(chunks.min_rows));
+  chunks.max_splits = static_cast<int>(splits), chunks.min_rows = static_cast<int>(rows);
+  return chunks;
 }
 
 // The views a decoding launch reads, one per sequence (blockIdx.z), passed by value as a kernel argument: a
@@ -535,12 +568,14 @@ struct DecodeViews {
 
 // out (head_dim) = one head's chunks' partial softmaxes (splits <= kMaxSplits, 2 + head_dim) merged by one warp:
 // each rescaled by exp(its max - the largest max), summed, divided by the summed totals (0 where no row was
-// visible, as attention_kernel). A chunk with nothing visible (max -inf) adds nothing. The lanes share out the
-// chunks to find the largest max and each chunk's weight (into `weight`, shared memory), then each lane adds
-// the chunks' values of its elements (lane + 32 j, as the decoding kernel holds them), chunk after chunk: every
-// sum in the order the merge kernel this replaces added it, so the same bits, and a warp per head where that
-// kernel took a block. `head` was written by other blocks of the same launch: plain loads, never __ldg or a
-// __restrict__ on it (the read-only path may not see another block's writes).
+// visible, as attention_kernel). A chunk with nothing visible (max -inf, total 0, values 0) gets weight 0 and
+// adds exactly 0. The lanes share out the chunks to find the largest max and each chunk's weight (into `weight`,
+// shared memory), then each lane adds the chunks' values of its elements (lane + 32 j, as the decoding kernel
+// holds them), chunk after chunk, the same order in every launch (a batch's sequence gets its bits alone).
+// Eight chunks' loads are issued before any is added (KVS_UNROLL_8, loads that no branch guards): a chunk at a
+// time waited out a load from L2 per chunk - 64 of them at the end of every layer's launch at 4,096 positions.
+// `head` was written by other blocks of the same launch: plain loads, never __ldg or a __restrict__ on it (the
+// read-only path may not see another block's writes).
 template <int kElements>
 __device__ void merge_partials(float* out, const float* head, int splits, int head_dim, float (&weight)[kMaxSplits]) {
   const int lane = threadIdx.x % kWarp, stride = 2 + head_dim;
@@ -549,17 +584,21 @@ __device__ void merge_partials(float* out, const float* head, int splits, int he
   for (int offset = kWarp / 2; offset > 0; offset /= 2) max = fmaxf(max, __shfl_xor_sync(kFullMask, max, offset));
   for (int s = lane; s < splits; s += kWarp) {
     const float chunk_max = head[std::size_t(s) * stride];
-    weight[s] = chunk_max == -INFINITY ? -1.0f : expf(chunk_max - max);  // -1: nothing visible in the chunk
+    weight[s] = chunk_max == -INFINITY ? 0.0f : expf(chunk_max - max);  // 0: nothing visible in the chunk
   }
   __syncwarp();
+  // A lane past head_dim reads the head's last element instead (never stored): every load in bounds, none behind
+  // a branch.
+  int element[kElements];
+  KVS_UNROLL
+  for (int j = 0; j < kElements; ++j) element[j] = lane + j * kWarp < head_dim ? lane + j * kWarp : head_dim - 1;
   float total = 0.0f, o[kElements] = {};
+  KVS_UNROLL_8
   for (int s = 0; s < splits; ++s) {
-    if (weight[s] < 0.0f) continue;
     const float* partial = head + std::size_t(s) * stride;
     total += partial[1] * weight[s];
     KVS_UNROLL
-    for (int j = 0; j < kElements; ++j)
-      if (lane + j * kWarp < head_dim) o[j] += partial[2 + lane + j * kWarp] * weight[s];
+    for (int j = 0; j < kElements; ++j) o[j] += partial[2 + element[j]] * weight[s];
   }
   KVS_UNROLL
   for (int j = 0; j < kElements; ++j)
@@ -569,7 +608,8 @@ __device__ void merge_partials(float* out, const float* head, int splits, int he
 template <int kElements, int kViews, bool kPlainRows>
 __global__ void __launch_bounds__(kDecodeWarps * kWarp)
     attention_decode_kernel(float* out, float* partials, unsigned* arrivals, const float* q, const int* positions,
-                            DecodeViews<kViews> views, int n_heads, int group, int tile, int head_dim) {
+                            DecodeViews<kViews> views, DecodeChunks chunks, int n_heads, int group, int tile,
+                            int head_dim) {
   KVS_WAIT_FOR_PREVIOUS_KERNEL();
   __shared__ WarpPartials<kDecodeWarps, kMaxTile> parts;
   const int sequence = blockIdx.z;
@@ -579,7 +619,7 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   const int split = blockIdx.y, splits = gridDim.y;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int query_pos = positions[sequence], rows = kv.rows_to_visit(query_pos);
-  const int rows_per_split = decode_rows_per_split(rows);
+  const int rows_per_split = chunks.rows_per_split(rows);
   const int row_begin = split * rows_per_split;
   const int row_end = row_begin + rows_per_split < rows ? row_begin + rows_per_split : rows;
   const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));
@@ -667,7 +707,7 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   // the count back to 0 for the next launch (a replayed graph's too: nothing else clears it).
   static_assert(kMaxTile <= kDecodeWarps, "the last block merges a head per warp");
   __shared__ bool last;
-  // merge_partials' chunk weights, a row per warp (decode_splits never gives more than kMaxSplits chunks)
+  // merge_partials' chunk weights, a row per warp (DecodeChunks never gives more than kMaxSplits chunks)
   __shared__ float chunk_weight[kMaxTile][kMaxSplits];
   __threadfence();
   __syncthreads();
@@ -1004,6 +1044,7 @@ class CudaBackend final : public Backend {
   CudaBackend(std::string name, bool programmatic)
       : name_(std::move(name)),
         gemv_max_tokens_(gemv_max_tokens()),
+        chunks_(decode_chunks()),
         stream_(new_stream()),
         queue_{stream_, programmatic},
         blas_(stream_) {
@@ -1086,7 +1127,7 @@ class CudaBackend final : public Backend {
   // Decoding's partial softmaxes (attention_decode_kernel), when split: sequences · n_heads · splits · (2 +
   // head_dim), for up to kMaxBatchSequences sequences at once (attention_batch).
   std::size_t attention_scratch_floats(const AttentionShape& shape, int max_rows, int max_sequences) const override {
-    const int splits = decode_splits(max_rows), sequences = std::clamp(max_sequences, 1, kMaxBatchSequences);
+    const int splits = chunks_.grid_splits(max_rows), sequences = std::clamp(max_sequences, 1, kMaxBatchSequences);
     return splits > 1 ? std::size_t(sequences) * shape.n_heads * splits * (2 + shape.head_dim) : 0;
   }
 
@@ -1148,7 +1189,7 @@ class CudaBackend final : public Backend {
       if (scratch.size() < attention_scratch_floats(shape, kv.rows, 1))
         throw std::invalid_argument("attention: a view of " + std::to_string(kv.rows) +
                                     " rows needs more scratch than the model allocated");
-      decode(out, q, positions, DecodeViews<1>{{kv}}, 1, decode_splits(kv.rows), shape, scratch.data());
+      decode(out, q, positions, DecodeViews<1>{{kv}}, 1, chunks_.grid_splits(kv.rows), shape, scratch.data());
       return;
     }
     // Prefill in tiles, where the view is rotated already and the head fits the tiles' shared memory.
@@ -1194,7 +1235,7 @@ class CudaBackend final : public Backend {
       int splits = 1;  // the grid's: the most any view of the launch has
       for (int z = 0; z < count; ++z) {
         views.view[z] = parts[first + z].kv;
-        splits = std::max(splits, decode_splits(views.view[z].rows));
+        splits = std::max(splits, chunks_.grid_splits(views.view[z].rows));
       }
       decode(out + first * dim, q + first * dim, positions + first, views, count, splits, shape, scratch.data());
     }
@@ -1217,7 +1258,7 @@ class CudaBackend final : public Backend {
     for (int z = 0; z < sequences; ++z) plain_rows = plain_rows && !views.view[z].coded() && !views.view[z].read_rope;
 #define KVS_DECODE(elements, plain)                                                                              \
   KVS_LAUNCH((attention_decode_kernel<elements, kViews, plain>), grid, block, 0, queue_, out, partials, arrivals_, \
-             q, positions, views, shape.n_heads, group, tile, shape.head_dim)
+             q, positions, views, chunks_, shape.n_heads, group, tile, shape.head_dim)
 #define KVS_DECODE_ROWS(elements)                                    \
   do {                                                                \
     if (plain_rows) KVS_DECODE(elements, true);                       \
@@ -1370,6 +1411,7 @@ class CudaBackend final : public Backend {
 
   std::string name_;
   int gemv_max_tokens_;  // fused products up to this many tokens (gemv_max_tokens)
+  DecodeChunks chunks_;  // how decoding cuts a view's rows (decode_chunks)
   cudaStream_t stream_;
   cuda::LaunchQueue queue_;  // stream_, and whether kernels go on it programmatically dependent
   Blas blas_;

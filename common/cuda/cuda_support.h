@@ -51,6 +51,8 @@ inline bool programmatic(cudaStream_t) { return false; }
 #define KVS_DYNAMIC_SHARED(type, name) type* name = static_cast<type*>(::kvs::cuda_harness::dynamic_shared_memory())
 // nvcc's loop-unrolling request (registers indexed by an unrolled loop's counter stay registers); g++ ignores it.
 #define KVS_UNROLL
+// nvcc's request to unroll a loop of unknown length 8 times (its iterations' loads issued together); g++ ignores it.
+#define KVS_UNROLL_8
 #else
 namespace kvs::cuda {
 // kernel<<<grid, block, shared_bytes, queue.stream>>>(args...), with the programmatic attribute when queue asks.
@@ -90,4 +92,5 @@ cudaError_t launch(LaunchQueue queue, dim3 grid, dim3 block, std::size_t shared_
 #endif
 #define KVS_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 #define KVS_UNROLL _Pragma("unroll")
+#define KVS_UNROLL_8 _Pragma("unroll 8")
 #endif
