@@ -479,14 +479,14 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
 // kMaxBatchSequences for a batch's) at positions[z], its q and out rows z (n_heads · head_dim each), over
 // views.view[z] - the rows it visits (KvView::rows_to_visit) split into chunks by `chunks` (DecodeChunks).
 // Block (x, s, z) takes KV head x / tiles and `tile` of the query heads that read it (tiles = group / tile; tile
-// <= kMaxTile), over chunk s (a chunk past the rows the query visits - a batch's grid has the most chunks any of
-// its views can make - sees nothing and writes a partial of max -inf, which the merge weighs 0: each sequence gets
-// the bits it gets alone). Warp w
+// <= kMaxTile), over chunk s (a block past the chunks the query's rows make - the grid has the most chunks any
+// query of any of its views can make - leaves at once, and the merge reads the query's chunks alone: each sequence
+// gets the bits it gets alone). Warp w
 // takes kRowsInFlight consecutive rows at a time (rows row_begin + (w + k · warps) · kRowsInFlight ...): it
 // loads their keys and values first - independent loads, all in flight at once - then scores them for each of
 // its query heads and updates that head's online softmax. The block's warps merge through shared memory; with
 // one chunk the block writes out (sequences, n_heads · head_dim) itself, otherwise partials (sequences, n_heads,
-// splits, 2 + head_dim) = [max, total, Σ exp(score - max) · v], unnormalised, a chunk with nothing visible
+// grid's splits, 2 + head_dim) = [max, total, Σ exp(score - max) · v], unnormalised, a chunk with nothing visible
 // writing max -inf, and the last of a (KV head, tile, sequence)'s blocks to finish merges them (merge_partials),
 // counting arrivals in arrivals (sequences, n_kv_heads · tiles), zero before the launch and after it. Lane l
 // holds elements l, l + 32,
@@ -616,10 +616,18 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   const KvView kv = views.view[sequence];
   const int tiles = group / tile, kv_head = blockIdx.x / tiles;
   const int first_head = kv_head * group + int(blockIdx.x % tiles) * tile, kv_offset = kv_head * head_dim;
-  const int split = blockIdx.y, splits = gridDim.y;
+  const int split = blockIdx.y, grid_splits = gridDim.y;  // partials are laid out by the grid's chunks
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int query_pos = positions[sequence], rows = kv.rows_to_visit(query_pos);
   const int rows_per_split = chunks.rows_per_split(rows);
+  // The chunks this query's rows make, at least one (a query that sees nothing still writes its zeros). The grid
+  // may hold more - it is sized for the most chunks any query of the view can make, so that a recorded step
+  // replays at every position - and a block past them leaves at once: the merge waits for these alone (a
+  // preallocated buffer of 16,416 rows at position 512 is 8 chunks of the 64). A split launch's query of one chunk
+  // is still "merged", from its one partial: the same bits as writing out directly (its weight is exp(0) = 1), where
+  // telling the two apart cost 21 registers (ptxas -v: 117 against 96).
+  const int splits = rows > rows_per_split ? (rows + rows_per_split - 1) / rows_per_split : 1;
+  if (split >= splits) return;
   const int row_begin = split * rows_per_split;
   const int row_end = row_begin + rows_per_split < rows ? row_begin + rows_per_split : rows;
   const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));
@@ -691,7 +699,7 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
     if (t >= tile) break;
     const PartialSoftmax block = parts.merged(t, kDecodeWarps);
     const std::size_t h = std::size_t(sequence) * n_heads + first_head + t;  // the head's row of out
-    float* partial = partials ? partials + (h * splits + split) * (2 + head_dim) : nullptr;
+    float* partial = partials ? partials + (h * grid_splits + split) * (2 + head_dim) : nullptr;
     if (partial && threadIdx.x == 0) partial[0] = block.max, partial[1] = block.total;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
       const float o = parts.merged_value(t, d, block.max, kDecodeWarps);
@@ -721,7 +729,7 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   __threadfence();
   if (warp < tile) {  // warp t merges the tile's head t
     const std::size_t h = std::size_t(sequence) * n_heads + first_head + warp;
-    merge_partials<kElements>(out + h * head_dim, partials + h * splits * (2 + head_dim), splits, head_dim,
+    merge_partials<kElements>(out + h * head_dim, partials + h * grid_splits * (2 + head_dim), splits, head_dim,
                               chunk_weight[warp]);
   }
 }
