@@ -5,7 +5,7 @@
 # Usage, from the repository root on the GPU machine:
 #   bash tests/gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]
 # STEPS: a comma-separated list of build,ab,chunks,test,sanitize,profile,chapters,transcripts, run in the order given
-# (default: build,ab,test,sanitize,profile,chapters; profile: the synthetic model's decode kernels under Nsight
+# (default: build,ab,chunks,test,sanitize,profile,chapters; profile: the synthetic model's decode kernels under Nsight
 # Compute, each one's time and DRAM bytes, in profile.md, and what the decoding kernel's warps wait on; chunks:
 # this build's decode steps with decoding cut into other chunks, KVS_DECODE_CHUNKS, added to ab_table.md;
 # chapters: the batch throughput of chapter 08 and the formats' speed of chapter 10 on the GPU; transcripts: book
@@ -24,7 +24,7 @@
 set -uo pipefail
 out=${1:?usage: gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]}
 base=${2:-}
-steps=${3:-build,ab,test,sanitize,profile,chapters}
+steps=${3:-build,ab,chunks,test,sanitize,profile,chapters}
 mkdir -p "$out"
 known=",build,ab,chunks,test,sanitize,profile,chapters,transcripts,"
 IFS=, read -ra step_list <<<"$steps"
@@ -92,9 +92,10 @@ step_chunks() {
   # Decoding's chunks (KVS_DECODE_CHUNKS=SPLITS,ROWS, default 64,64): more, shorter chunks keep more of the GPU
   # busy - at 512 positions the default's 8 chunks are 32 blocks of the synthetic model on 132 SMs, each warp four
   # rounds of rows - but the last block of each KV head merges every chunk's partial. Each setting in turn, the
-  # rounds interleaved, the synthetic model at 512, 4,096 and 16,384 positions and the shipped one; CHUNKS
-  # (space-separated) replaces the settings. Their rows join ab_table.md.
-  for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+  # synthetic model at 512, 4,096 and 16,384 positions and the shipped one; CHUNKS (space-separated) replaces the
+  # settings, CHUNKS_ROUNDS (default 1: one build, no drift between builds to interleave against) repeats them.
+  # Their rows join ab_table.md.
+  for round in $(seq 1 "${CHUNKS_ROUNDS:-1}"); do
     for chunks in ${CHUNKS:-64,64 32,64 128,16 256,16}; do
       name=chunks-${chunks/,/-}
       KVS_DECODE_CHUNKS=$chunks build/release/bin/03_benchmark --backend cuda $synthetic --lengths 512,4096,16384 \
