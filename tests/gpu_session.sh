@@ -6,9 +6,9 @@
 #   bash tests/gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]
 # STEPS: a comma-separated list of build,ab,chunks,test,sanitize,profile,chapters,transcripts, run in the order given
 # (default: build,ab,chunks,test,sanitize,profile,chapters; profile: the synthetic model's decode kernels under Nsight
-# Compute, each one's time and DRAM bytes, in profile.md, and what the decoding kernel's warps wait on; chunks:
-# this build's decode steps with decoding cut into other chunks, KVS_DECODE_CHUNKS, added to ab_table.md;
-# chapters: the batch throughput of chapter 08 and the formats' speed of chapter 10 on the GPU; transcripts: book
+# Compute, each one's time and DRAM bytes, in profile.md, and what the decoding kernel's and the products' warps
+# wait on; chunks: this build's decode steps with decoding cut into other chunks, KVS_DECODE_CHUNKS, added to
+# ab_table.md; chapters: the batch throughput of chapter 08 and the formats' speed of chapter 10 on the GPU; transcripts: book
 # 07's GPU transcripts re-run, the book and its CSVs copied into OUT_DIR). Put the A/B right after the build: a call stopped at its time limit has the measurements.
 # Header-only dependencies the machine lacks (Eigen, doctest) may be given as a prefix in .deps/ (CMake config
 # files included); a base tree (git archive of an older commit) as BASE_SOURCE_DIR. tests/gpu_prepare.sh COMMIT
@@ -160,6 +160,17 @@ step_profile() {
     # smsp__pcsamp_warps_issue_stalled_*) among them, where the details page shows only each section's summary
     echo "ncu, the decoding kernel's stall reasons: exit $?"
     grep -E "gpu__time_duration.sum|stalled|warps_active|issue_active" "$out/profile_attention.txt" | head -60
+    # The same for five consecutive products of a decode step (each of a layer's four, q/k/v, Wo, W1/W3 and W2,
+    # at least once; their grids tell them apart: 768, 512, 1,408 and 512 blocks): why q/k/v and Wo read at
+    # ~1.55 TB/s where W1/W3 reach 2.5 (book 07), in profile_gemv.txt.
+    timeout "${PROFILE_SECONDS:-200}" ncu --clock-control none --kernel-name regex:'^gemv_kernel' --launch-skip 200 \
+      --launch-count 5 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis --page raw --print-units base \
+      --log-file "$out/profile_gemv.txt" build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 \
+      --memory-limit 70GiB --breakdown --lengths 4096 --max-new-tokens 8 >"$out/profile_gemv_run.log" 2>&1
+    echo "ncu, the products' stall reasons: exit $?"
+    grep -E "launch__grid_size|gpu__time_duration.sum|warp_latency_issue_stalled_(long_scoreboard|barrier|wait|lg_throttle|short_scoreboard|no_instruction)|warps_active.avg.pct" \
+      "$out/profile_gemv.txt" | head -60
   else
     echo "ncu is not on the PATH: no kernel profile"
   fi
