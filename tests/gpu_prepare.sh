@@ -24,5 +24,5 @@ sed -i 's|set(_IMPORT_PREFIX "/usr")|get_filename_component(_IMPORT_PREFIX "${CM
   .deps/lib/cmake/doctest/doctestTargets.cmake
 git archive "$base" CMakeLists.txt CMakePresets.json common chapters tests | tar -x -C .ab/base
 echo "made .deps ($(du -sh .deps | cut -f1)) and .ab/base ($(git rev-parse --short "$base"), $(du -sh .ab/base | cut -f1))."
-echo "Now a device call: run(command='GPU_SESSION_ARCHIVE=\$OUT/s.tgz bash tests/gpu_session.sh /tmp/s .ab/base build,ab,chunks,test,transcripts,profile,sanitize,chapters', carry=['.deps', '.ab'], timeout_s=600)"
+echo "Now a device call: run(command='GPU_SESSION_ARCHIVE=\$OUT/s.tgz bash tests/gpu_session.sh /tmp/s .ab/base build,ab,test,chunks,profile,sanitize,transcripts,chapters', carry=['.deps', '.ab'], timeout_s=600)"
 echo "then, at once on the still-warm machine and only where device time is left, a second with the steps it did not reach (gpu_session.sh's header says why)"

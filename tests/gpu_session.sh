@@ -5,7 +5,7 @@
 # Usage, from the repository root on the GPU machine:
 #   bash tests/gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]
 # STEPS: a comma-separated list of build,ab,chunks,test,sanitize,profile,chapters,transcripts, run in the order given
-# (default: build,ab,chunks,test,sanitize,profile,chapters; profile: the synthetic model's decode kernels under Nsight
+# (default: build,ab,test,chunks,sanitize,profile,chapters; profile: the synthetic model's decode kernels under Nsight
 # Compute, each one's time and DRAM bytes, in profile.md, and what the decoding kernel's and the products' warps
 # wait on; chunks: this build's decode steps with decoding cut into other chunks, KVS_DECODE_CHUNKS, added to
 # ab_table.md; chapters: the batch throughput of chapter 08 and the formats' speed of chapter 10 on the GPU; transcripts: book
@@ -19,12 +19,12 @@
 # A device call stops at 600 s, and a session has 15 minutes of device time, the machine's start included: build,
 # test, sanitize and ab took 446 s in the 2026-11-23 call. So one call, timeout 600, the steps in the order of
 # what the session needs most (each compute-sanitizer tool and the profiler stop after SANITIZE_SECONDS, default
-# 150, and each of the profiler's two runs after PROFILE_SECONDS, 200); what a call stopped at its limit did not reach goes to a second call on the
+# 150, and each of the profiler's three runs after PROFILE_SECONDS, 200); what a call stopped at its limit did not reach goes to a second call on the
 # still-warm machine where time is left (the build step then rebuilds nothing).
 set -uo pipefail
 out=${1:?usage: gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]}
 base=${2:-}
-steps=${3:-build,ab,chunks,test,sanitize,profile,chapters}
+steps=${3:-build,ab,test,chunks,sanitize,profile,chapters}
 mkdir -p "$out"
 known=",build,ab,chunks,test,sanitize,profile,chapters,transcripts,"
 IFS=, read -ra step_list <<<"$steps"
@@ -100,9 +100,11 @@ step_chunks() {
       name=chunks-${chunks/,/-}
       KVS_DECODE_CHUNKS=$chunks build/release/bin/03_benchmark --backend cuda $synthetic --lengths 512,4096,16384 \
         --csv "$out/synthetic_${name}_$round.csv" >"$out/synthetic_${name}_$round.log" 2>&1
+      synthetic_status=$?
       KVS_DECODE_CHUNKS=$chunks build/release/bin/03_benchmark --backend cuda $shipped \
         --csv "$out/shipped_${name}_$round.csv" >"$out/shipped_${name}_$round.log" 2>&1
-      echo "== round $round, KVS_DECODE_CHUNKS=$chunks"; grep -A4 "  context     step" "$out/synthetic_${name}_$round.log" | tail -4
+      echo "== round $round, KVS_DECODE_CHUNKS=$chunks: exit $synthetic_status (synthetic), $? (shipped)"
+      tail -1 "$out/synthetic_${name}_$round.log" | grep error; grep -A4 "  context     step" "$out/synthetic_${name}_$round.log" | tail -4
     done
   done
   python3 tests/gpu_ab_table.py "$out" >"$out/ab_table.md" 2>&1; echo "== ab_table.md, the chunks' rows with the A/B's"
@@ -161,7 +163,7 @@ step_profile() {
     echo "ncu, the decoding kernel's stall reasons: exit $?"
     grep -E "gpu__time_duration.sum|stalled|warps_active|issue_active" "$out/profile_attention.txt" | head -60
     # The same for five consecutive products of a decode step (each of a layer's four, q/k/v, Wo, W1/W3 and W2,
-    # at least once; their grids tell them apart: 768, 512, 1,408 and 512 blocks): why q/k/v and Wo read at
+    # at least once; their grids, 768, 512, 1,408 and 512 blocks, and their order tell them apart): why q/k/v and Wo read at
     # ~1.55 TB/s where W1/W3 reach 2.5 (book 07), in profile_gemv.txt.
     timeout "${PROFILE_SECONDS:-200}" ncu --clock-control none --kernel-name regex:'^gemv_kernel' --launch-skip 200 \
       --launch-count 5 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \

@@ -4,6 +4,7 @@
 // present (elsewhere the "cuda: GPU tests" CTest entry reports them skipped).
 #include <doctest/doctest.h>
 
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -66,6 +67,10 @@ inline Buffer to_backend(Backend& backend, const std::vector<float>& host) {
   Buffer b(backend, host.size());
   backend.from_host(b.data(), host.data(), host.size());
   return b;
+}
+// `floats` of backend memory holding NaN: a scratch buffer that a kernel reads before it writes shows in the result.
+inline Buffer nan_buffer(Backend& backend, std::size_t floats) {
+  return to_backend(backend, std::vector<float>(floats, std::numeric_limits<float>::quiet_NaN()));
 }
 inline std::vector<float> from_backend(Backend& backend, const Buffer& b) {
   std::vector<float> host(b.size());

@@ -185,7 +185,9 @@ TEST_CASE("batched attention: each sequence gets the bits of its attention alone
         const Buffer d_q = test::to_backend(backend, q);
         IntBuffer d_positions(backend, positions.size());
         backend.from_host(d_positions.data(), positions.data(), positions.size());
-        Buffer d_out(backend, q.size()), scratch(backend, backend.attention_scratch_floats(shape, max_rows, sequences));
+        // Scratch of NaN: the split kernel's merge must read only the partials this launch wrote.
+        Buffer d_out(backend, q.size());
+        Buffer scratch = test::nan_buffer(backend, backend.attention_scratch_floats(shape, max_rows, sequences));
         backend.attention_batch(d_out.data(), d_q.data(), d_positions.data(), parts, shape,
                                 {scratch.data(), scratch.size()});
         const std::vector<float> batched = test::from_backend(backend, d_out);
@@ -195,7 +197,8 @@ TEST_CASE("batched attention: each sequence gets the bits of its attention alone
         for (int i = 0; i < sequences; ++i) {
           const Backend::AttentionPart& p = parts[i];
           const std::size_t at = std::size_t(p.offset) * dim, count = std::size_t(p.n) * dim;
-          Buffer alone(backend, count), alone_scratch(backend, backend.attention_scratch_floats(shape, p.kv.rows, 1));
+          Buffer alone(backend, count);
+          Buffer alone_scratch = test::nan_buffer(backend, backend.attention_scratch_floats(shape, p.kv.rows, 1));
           backend.attention(alone.data(), d_q.data() + at, d_positions.data() + p.offset, p.n, p.kv, shape,
                             {alone_scratch.data(), alone_scratch.size()}, nullptr);
           const std::vector<float> got = test::from_backend(backend, alone);

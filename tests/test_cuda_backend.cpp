@@ -26,6 +26,7 @@
 #include "kv_cache.h"
 #include "reference_attention.h"
 #include "test_backends.h"
+#include "test_util.h"
 
 using namespace kvs;
 
@@ -398,7 +399,8 @@ static void check_attention(Backend& b, std::mt19937& gen, const AttentionShape&
   reference_attention(want.data(), q.data(), pos, n, host_view, shape, want_weights.data());
 
   Buffer d_keys = test::to_backend(b, keys), d_values = test::to_backend(b, values), d_q = test::to_backend(b, q);
-  Buffer d_out(b, q.size()), scratch(b, b.attention_scratch_floats(shape, rows, 1));
+  // Scratch of NaN: the split kernel's merge must read only the partials this launch wrote.
+  Buffer d_out(b, q.size()), scratch = test::nan_buffer(b, b.attention_scratch_floats(shape, rows, 1));
   Buffer d_table = test::to_backend(b, table);
   IntBuffer d_positions(b, positions.size());  // a view's row positions live in backend memory too
   b.from_host(d_positions.data(), positions.data(), positions.size());

@@ -5,6 +5,8 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <initializer_list>
 #include <limits>
 #include <random>
 #include <string>
@@ -19,6 +21,7 @@
 #include "generate.h"
 #include "10_quantized_cache/quantized_kv_cache.h"
 #include "test_backends.h"
+#include "test_util.h"
 #include "tokenizer.h"
 
 using namespace kvs;
@@ -38,9 +41,10 @@ void for_each_recording_backend(Check&& check) {
   }
   if (!any) MESSAGE("no backend in this build can record (the CUDA harness is not built): nothing to record");
 }
-}  // namespace
 
-TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on every backend that can record") {
+// Replays decode steps through each of `kinds` of cache and compares them with forward()'s, on every backend that
+// can record.
+void check_replayed_steps(std::initializer_list<const char*> kinds) {
   const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
   const std::vector<int> prompt = encode_bytes("And God said, Let there be");
   for_each_recording_backend([&](Backend& backend, const std::string& name) {
@@ -51,8 +55,7 @@ TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on
     // Chapter 03's cache, and chapter 04's ring in both position variants: a window of 16 with 4 sinks,
     // which the text wraps many times (prefill in chunks of 8: the ring holds 16 + 8 - 1 slots).
     const Window window{16, 4};
-    for (const char* kind : {"preallocated", "ring, absolute positions", "ring, within-window positions", "int8 (chapter 10)",
-                             "int4 (chapter 10)"}) {
+    for (const char* kind : kinds) {
       CAPTURE(kind);
       auto make_cache = [&]() -> std::unique_ptr<KvCache> {
         const std::string k = kind;
@@ -85,6 +88,23 @@ TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on
       else CHECK(e.worst_logit_difference == 0.0f);
     }
   });
+}
+}  // namespace
+
+TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on every backend that can record") {
+  check_replayed_steps({"preallocated", "ring, absolute positions", "ring, within-window positions",
+                        "int8 (chapter 10)", "int4 (chapter 10)"});
+}
+
+// The shipped model's 50 rows are one chunk of the CUDA kernel's default cut (64 rows or more), so the test above
+// never replays a split launch through the harness. Cut into chunks of one row (KVS_DECODE_CHUNKS=256,1), every
+// replayed step's query makes one chunk more than the last (27 to 50 on the preallocated cache): the same recorded
+// launch, its grid sized for the view, must leave the blocks past them out of the merge and its arrival counters
+// at 0 for the next layer and step. The float rows' kernel and the general one (read-time rotation).
+TEST_CASE("recorded decoding: replayed split decoding, its chunks changing at every step (KVS_DECODE_CHUNKS=256,1)") {
+  const test::UnsetAtExit unset{"KVS_DECODE_CHUNKS"};
+  setenv("KVS_DECODE_CHUNKS", "256,1", 1);
+  check_replayed_steps({"preallocated", "ring, within-window positions"});
 }
 
 // What a recorded step holds, counted: the fused operations (backend.h) are one kernel each for a decode step

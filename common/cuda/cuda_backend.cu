@@ -503,8 +503,8 @@ constexpr int kDecodeWarps = 4;
 // sequences, up to 256 query heads at a batch's kMaxBatchSequences (64 KB).
 constexpr std::size_t kArrivalCounters = 256 * kMaxBatchSequences;
 
-// Decoding's chunks (DecodeChunks): every view's rows cut into at most max_splits chunks of at least min_rows rows
-// each. By default 64 chunks of 64 rows or more (four rounds of a block's warps, kRowsInFlight rows each): the merge
+// Decoding's chunks (DecodeChunks): the rows a query visits cut into at most max_splits chunks of min_rows rows or
+// more each (the last one may be shorter). By default 64 chunks of 64 rows or more (four rounds of a block's warps, kRowsInFlight rows each): the merge
 // reads every chunk's partial, and at 16,384 positions 256 chunks of 64 rows made the synthetic model's step
 // 3.9-4.1 ms, 64 chunks of 256 rows 3.4-3.5 (H100, one run, the merge then a kernel of its own; 8 warps per block:
 // 2-6% faster at 512 and 4,096 positions, 5-9% slower at 16,384; 8 rows in flight: slower at each). A view of
@@ -529,7 +529,7 @@ struct DecodeChunks {
   }
   // The grid's chunks for a view of `rows` rows: the most that any query visiting up to `rows` of them is cut into
   // (rows_per_split(r) chunks r rows into at most max_splits chunks, and at most ceil(r / min_rows)). Not the cut of
-  // `rows` itself: 1,100 rows in chunks of at most 256 are 220 chunks of 5 rows, and a query visiting 701 of them
+  // `rows` itself: cut into at most 256 chunks (256,1), 1,100 rows are 220 chunks of 5, and a query visiting 701 of them
   // needs 234 chunks of 3 (a chunk past the grid would never be read). A chunk past a query's rows sees nothing.
   int grid_splits(int rows) const {
     return std::clamp((rows + min_rows - 1) / min_rows, 1, max_splits);
@@ -537,7 +537,7 @@ struct DecodeChunks {
 };
 
 // The chunks decoding cuts views into on this run: DecodeChunks' default, or KVS_DECODE_CHUNKS=SPLITS,ROWS where set
-// (at most SPLITS chunks, 1 to kMaxSplits, of at least ROWS rows, 1 to 65,536). Why a variable: how many blocks keep
+// (at most SPLITS chunks, 1 to kMaxSplits, of ROWS rows or more, 1 to 65,536; a query's last chunk may be shorter). Why a variable: how many blocks keep
 // an H100's memory busy, against what the merge of more chunks costs, is a GPU's measurement (at 512 positions the
 // default's 8 chunks are 32 blocks of the synthetic model on 132 SMs), and tests/gpu_session.sh makes it with one
 // build (its chunks step).
@@ -623,7 +623,7 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   // The chunks this query's rows make, at least one (a query that sees nothing still writes its zeros). The grid
   // may hold more - it is sized for the most chunks any query of the view can make, so that a recorded step
   // replays at every position - and a block past them leaves at once: the merge waits for these alone (a
-  // preallocated buffer of 16,416 rows at position 512 is 8 chunks of the 64). A split launch's query of one chunk
+  // preallocated buffer of 16,416 rows at position 512 visits 513 rows, 9 chunks of the 64). A split launch's query of one chunk
   // is still "merged", from its one partial: the same bits as writing out directly (its weight is exp(0) = 1), where
   // telling the two apart cost 21 registers (ptxas -v: 117 against 96).
   const int splits = rows > rows_per_split ? (rows + rows_per_split - 1) / rows_per_split : 1;
