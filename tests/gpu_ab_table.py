@@ -9,8 +9,8 @@ KVS_PROGRAMMATIC_LAUNCH=0; chunks-S-R: with KVS_DECODE_CHUNKS=S,R, the step chun
 (one CPU core, the same contexts). A column an older
 build's CSV lacks prints as "-". Standard library only: the GPU machine has python3 and nothing to install.
 
-Columns: step p50 (a plain run, ms), graph p50 (the step recorded once and replayed, ms), launches in the
-recorded step, graph p50 / launches (µs, the kernels' work included: an upper bound on a launch's cost), and
+Columns: step p50 (a plain run, ms), graph p50 (the step recorded once and replayed, ms), attention (ms a step,
+in the breakdown's run that times each operation apart, waiting after each), launches in the recorded step, graph p50 / launches (µs, the kernels' work included: an upper bound on a launch's cost), and
 the bytes a step must read (weights + the K/V rows it attends to) over the graph p50, as a share of the read
 bandwidth the benchmark measured beside it (limit_gbs).
 """
@@ -65,13 +65,15 @@ def table(model, runs, cpu_rows):
         return []
     contexts = sorted({c for v in variants for rows in runs[(model, v)].values() for c in rows})
     lines = [f"### {model}", "",
-             "| context | build | step p50 (ms) | graph p50 (ms) | launches | graph / launch (µs) | of the read limit |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+             "| context | build | step p50 (ms) | graph p50 (ms) | attention (ms) | launches | graph / launch (µs) "
+             "| of the read limit |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for context in contexts:
         for variant in variants:
             rounds = [runs[(model, variant)][r].get(context, {}) for r in sorted(runs[(model, variant)])]
             step = [number(r, "step_ms_p50") for r in rounds]
             graph = [number(r, "graph_ms_p50") or None for r in rounds]  # 0: the backend cannot record a step
+            attention = [number(r, "attention_ms") for r in rounds]
             launches = [number(r, "graph_launches") or None for r in rounds]
             per_launch = [g * 1000 / n if g and n else None for g, n in zip(graph, launches)]
             share = []
@@ -79,10 +81,10 @@ def table(model, runs, cpu_rows):
                 weights, kv, limit = number(r, "weight_bytes"), number(r, "kv_bytes"), number(r, "limit_gbs")
                 share.append((weights + kv) / (g * 1e6) / limit * 100 if g and weights and kv is not None and limit else None)
             lines.append(f"| {context:,} | {label(variant)} | {joined(step, '{:.3f}')} | {joined(graph, '{:.3f}')} | "
-                         f"{joined(launches, '{:.0f}')} | {joined(per_launch, '{:.1f}')} | {joined(share, '{:.0f}%')} |")
+                         f"{joined(attention, '{:.3f}')} | {joined(launches, '{:.0f}')} | {joined(per_launch, '{:.1f}')} | {joined(share, '{:.0f}%')} |")
         if context in cpu_rows:
             lines.append(f"| {context:,} | one CPU core | {joined([number(cpu_rows[context], 'step_ms_p50')], '{:.3f}')} "
-                         "| | | | |")
+                         "| | | | | |")
     return lines + [""]
 
 

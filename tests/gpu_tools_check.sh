@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU session's tools, checked where there is no GPU (a lent GPU's minutes are too few to find a typo in them):
+# tests/gpu_session.sh parses and refuses an unknown step; tests/gpu_ab_table.py makes the A/B table, the chunks
+# step's rows included, from breakdown CSVs named as gpu_session.sh names them (a stored GPU run's CSV stands in).
+# Usage: bash tests/gpu_tools_check.sh PYTHON3 (from anywhere).
+set -euo pipefail
+python=${1:?usage: gpu_tools_check.sh PYTHON3}
+root=$(cd "$(dirname "$0")/.." && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+bash -n "$root/tests/gpu_session.sh"
+if bash "$root/tests/gpu_session.sh" "$work/session" "" build,nonsense >"$work/refused.log" 2>&1; then
+  echo "gpu_session.sh ran an unknown step"; exit 1
+fi
+grep -q "no step 'nonsense'" "$work/refused.log" || { echo "gpu_session.sh refused an unknown step without naming it"; exit 1; }
+csv=$root/plots/data/gpu/breakdown_h100_synthetic_cuda_v6.csv
+mkdir "$work/out"
+for name in synthetic_base_1 synthetic_release_1 synthetic_chunks-128-16_1 synthetic_chunks-32-64_1 synthetic_chunks-64-64_1; do
+  cp "$csv" "$work/out/$name.csv"
+done
+"$python" "$root/tests/gpu_ab_table.py" "$work/out" >"$work/table.md"
+cat "$work/table.md"
+# The rows in order (base, this build, then the chunks settings by their numbers), each with the CSV's numbers:
+# step 1.763 ms, graph 1.726 ms, attention 0.660 ms at 512 positions.
+rows=$(grep -c '^| 512 |' "$work/table.md")
+[[ $rows == 5 ]] || { echo "expected 5 rows at 512 positions, got $rows"; exit 1; }
+order=$(grep '^| 512 |' "$work/table.md" | cut -d'|' -f3 | tr -s ' ' | paste -sd';')
+expected=" base ; this build ; this build, KVS_DECODE_CHUNKS=32,64 ; this build, KVS_DECODE_CHUNKS=64,64 ; this build, KVS_DECODE_CHUNKS=128,16 "
+[[ $order == "$expected" ]] || { echo "rows in the wrong order: $order"; exit 1; }
+grep -q '^| 512 | this build, KVS_DECODE_CHUNKS=128,16 | 1.763 | 1.726 | 0.660 | 83 |' "$work/table.md" ||
+  { echo "the chunks row lost the CSV's numbers"; exit 1; }
+echo "gpu session tools: ok"
