@@ -481,21 +481,19 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
 // Block (x, s, z) takes KV head x / tiles and `tile` of the query heads that read it (tiles = group / tile; tile
 // <= kMaxTile), over chunk s (a block past the chunks the query's rows make - the grid has the most chunks any
 // query of any of its views can make - leaves at once, and the merge reads the query's chunks alone: each sequence
-// gets the bits it gets alone). Warp w
-// takes kRowsInFlight consecutive rows at a time (rows row_begin + (w + k · warps) · kRowsInFlight ...): it
-// loads their keys and values first - independent loads, all in flight at once - then scores them for each of
-// its query heads and updates that head's online softmax. The block's warps merge through shared memory; with
-// one chunk the block writes out (sequences, n_heads · head_dim) itself, otherwise partials (sequences, n_heads,
-// grid's splits, 2 + head_dim) = [max, total, Σ exp(score - max) · v], unnormalised, a chunk with nothing visible
-// writing max -inf, and the last of a (KV head, tile, sequence)'s blocks to finish merges them (merge_partials),
-// counting arrivals in arrivals (sequences, n_kv_heads · tiles), zero before the launch and after it. Lane l
-// holds elements l, l + 32,
-// ... < 32 · kElements of a row (kElements = 1, 2, 4, 8 for head_dim up to 32, 64, 128, 256: registers for
-// what the head needs, not for the largest head). kPlainRows: every view of the launch stores float rows
-// (contiguous or paged; not chapter 10's codes) rotated before they were cached (not chapter 04's read-time
-// rotation), read with plain loads from each row's start; otherwise each number goes through KvView::key and
-// value, and key_element's rotation. Grid (n_kv_heads · tiles, splits, sequences), block
-// kDecodeWarps · 32.
+// gets the bits it gets alone). Warp w takes kRowsInFlight consecutive rows at a time (rows row_begin + (w + k ·
+// warps) · kRowsInFlight ...): it loads their keys and values first - independent loads, all in flight at once -
+// then scores them for each of its query heads and updates that head's online softmax. The block's warps merge
+// through shared memory; in a grid of one chunk the block writes out (sequences, n_heads · head_dim) itself,
+// otherwise partials (sequences, n_heads, grid's splits, 2 + head_dim) = [max, total, Σ exp(score - max) · v],
+// unnormalised, a chunk with nothing visible writing max -inf, and the last of a (KV head, tile, sequence)'s blocks
+// to finish merges them (merge_partials), counting arrivals in arrivals (sequences, n_kv_heads · tiles), zero
+// before the launch and after it. Lane l holds elements l, l + 32, ... < 32 · kElements of a row (kElements = 1,
+// 2, 4, 8 for head_dim up to 32, 64, 128, 256: registers for what the head needs, not for the largest head).
+// kPlainRows: every view of the launch stores float rows (contiguous or paged; not chapter 10's codes) rotated
+// before they were cached (not chapter 04's read-time rotation), read with plain loads from each row's start;
+// otherwise each number goes through KvView::key and value, and key_element's rotation. Grid (n_kv_heads · tiles,
+// grid's splits, sequences), block kDecodeWarps · 32.
 constexpr int kMaxTile = 4;
 constexpr int kRowsInFlight = 4;
 constexpr int kDecodeWarps = 4;
@@ -504,17 +502,17 @@ constexpr int kDecodeWarps = 4;
 constexpr std::size_t kArrivalCounters = 256 * kMaxBatchSequences;
 
 // Decoding's chunks (DecodeChunks): the rows a query visits cut into at most max_splits chunks of min_rows rows or
-// more each (the last one may be shorter). By default 64 chunks of 64 rows or more (four rounds of a block's warps, kRowsInFlight rows each): the merge
-// reads every chunk's partial, and at 16,384 positions 256 chunks of 64 rows made the synthetic model's step
-// 3.9-4.1 ms, 64 chunks of 256 rows 3.4-3.5 (H100, one run, the merge then a kernel of its own; 8 warps per block:
-// 2-6% faster at 512 and 4,096 positions, 5-9% slower at 16,384; 8 rows in flight: slower at each). A view of
-// one chunk needs no merge. The chunks cut the rows a query visits, not the view's rows: a preallocated buffer of
-// 16,416 rows cut by its size made chunks of 257 rows, and a query at position 512 kept 2 or 3 blocks a KV head
-// busy while the others saw nothing (its step 2.59 ms, against 1.72 in a buffer of 4,128 rows, whose chunks are 65
-// rows long: H100, 2026-11-26). So a view of a whole buffer and one of its written prefix give the same bits
-// (tested). The kernel cuts each sequence's rows; the host sizes the grid for the most chunks a view's rows can
-// make (grid_splits). Never the batch's size: a sequence is cut the same alone and in a
-// batch, so it gets the same bits.
+// more each (the last one may be shorter). By default 64 chunks of 64 rows or more (four rounds of a block's warps,
+// kRowsInFlight rows each): the merge reads every chunk's partial, and at 16,384 positions 256 chunks of 64 rows
+// made the synthetic model's step 3.9-4.1 ms, 64 chunks of 256 rows 3.4-3.5 (H100, one run, the merge then a kernel
+// of its own; 8 warps per block: 2-6% faster at 512 and 4,096 positions, 5-9% slower at 16,384; 8 rows in flight:
+// slower at each). A query of one chunk needs no merge. The chunks cut the rows a query visits, not the view's
+// rows: a preallocated buffer of 16,416 rows cut by its size made chunks of 257 rows, and a query at position 512
+// kept 2 or 3 blocks a KV head busy while the others saw nothing (its step 2.59 ms, against 1.72 in a buffer of
+// 4,128 rows, whose chunks are 65 rows long: H100, 2026-11-26). So a view of a whole buffer and one of its written
+// prefix give the same bits (tested). The kernel cuts each sequence's rows; the host sizes the grid for the most
+// chunks any query of a view can make (grid_splits). Never by the batch's size: a sequence is cut the same alone
+// and in a batch, so it gets the same bits.
 constexpr int kRowsPerRound = kDecodeWarps * kRowsInFlight;  // the rows a block's warps load at once
 constexpr int kMaxSplits = 256;  // the most chunks KVS_DECODE_CHUNKS may ask for (the merge's weights in shared memory)
 
@@ -528,19 +526,20 @@ struct DecodeChunks {
     return even > min_rows ? even : min_rows;
   }
   // The grid's chunks for a view of `rows` rows: the most that any query visiting up to `rows` of them is cut into
-  // (rows_per_split(r) chunks r rows into at most max_splits chunks, and at most ceil(r / min_rows)). Not the cut of
-  // `rows` itself: cut into at most 256 chunks (256,1), 1,100 rows are 220 chunks of 5, and a query visiting 701 of them
-  // needs 234 chunks of 3 (a chunk past the grid would never be read). A chunk past a query's rows sees nothing.
+  // (rows_per_split(r) cuts r rows into at most max_splits chunks, and into at most ceil(r / min_rows)). Not the cut
+  // of `rows` itself: cut into at most 256 chunks (256,1), 1,100 rows are 220 chunks of 5, and a query visiting 701
+  // of them needs 234 chunks of 3 (a chunk past the grid would never be read). The blocks past a query's chunks
+  // leave at once.
   int grid_splits(int rows) const {
     return std::clamp((rows + min_rows - 1) / min_rows, 1, max_splits);
   }
 };
 
 // The chunks decoding cuts views into on this run: DecodeChunks' default, or KVS_DECODE_CHUNKS=SPLITS,ROWS where set
-// (at most SPLITS chunks, 1 to kMaxSplits, of ROWS rows or more, 1 to 65,536; a query's last chunk may be shorter). Why a variable: how many blocks keep
-// an H100's memory busy, against what the merge of more chunks costs, is a GPU's measurement (at 512 positions the
-// default's 8 chunks are 32 blocks of the synthetic model on 132 SMs), and tests/gpu_session.sh makes it with one
-// build (its chunks step).
+// (at most SPLITS chunks, 1 to kMaxSplits, of ROWS rows or more, 1 to 65,536; a query's last chunk may be
+// shorter). Why a variable: how many blocks keep an H100's memory busy, against what the merge of more chunks
+// costs, is a GPU's measurement (at 512 positions the default's 8 chunks are 32 blocks of the synthetic model on
+// 132 SMs), and tests/gpu_session.sh makes it with one build (its chunks step).
 DecodeChunks decode_chunks() {
   const char* value = std::getenv("KVS_DECODE_CHUNKS");
   if (!value) return {};
@@ -552,7 +551,7 @@ DecodeChunks decode_chunks() {
   if (!end || end == comma + 1 || *end != '\0' || splits < 1 || splits > kMaxSplits || rows < 1 || rows > 65536)
     throw std::invalid_argument(std::string("KVS_DECODE_CHUNKS=") + value +
                                 ": expected SPLITS,ROWS (at most SPLITS chunks, 1 to " + std::to_string(kMaxSplits) +
-                                ", of at least ROWS rows, 1 to 65536, e.g. 128,16); unset it for " +
+                                ", of ROWS rows or more, 1 to 65536, e.g. 128,16); unset it for " +
                                 std::to_string(chunks.max_splits) + "," + std::to_string(chunks.min_rows));
   chunks.max_splits = static_cast<int>(splits), chunks.min_rows = static_cast<int>(rows);
   return chunks;
@@ -623,9 +622,9 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   // The chunks this query's rows make, at least one (a query that sees nothing still writes its zeros). The grid
   // may hold more - it is sized for the most chunks any query of the view can make, so that a recorded step
   // replays at every position - and a block past them leaves at once: the merge waits for these alone (a
-  // preallocated buffer of 16,416 rows at position 512 visits 513 rows, 9 chunks of the 64). A split launch's query of one chunk
-  // is still "merged", from its one partial: the same bits as writing out directly (its weight is exp(0) = 1), where
-  // telling the two apart cost 21 registers (ptxas -v: 117 against 96).
+  // preallocated buffer of 16,416 rows at position 512 visits 513 rows, 9 chunks of the 64). A split launch's query
+  // of one chunk is still "merged", from its one partial: the same bits as writing out directly (its weight is
+  // exp(0) = 1), where telling the two apart cost 21 registers (ptxas -v: 117 against 96).
   const int splits = rows > rows_per_split ? (rows + rows_per_split - 1) / rows_per_split : 1;
   if (split >= splits) return;
   const int row_begin = split * rows_per_split;
