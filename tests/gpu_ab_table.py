@@ -10,7 +10,8 @@ KVS_PROGRAMMATIC_LAUNCH=0; chunks-S-R: with KVS_DECODE_CHUNKS=S,R, the step chun
 build's CSV lacks prints as "-". Standard library only: the GPU machine has python3 and nothing to install.
 
 Columns: step p50 (a plain run, ms), graph p50 (the step recorded once and replayed, ms), attention (ms a step,
-in the breakdown's run that times each operation apart, waiting after each), launches in the recorded step, graph p50 / launches (µs, the kernels' work included: an upper bound on a launch's cost), and
+in the breakdown's run that times each operation apart, waiting after each), launches in the recorded step,
+graph p50 / launches (µs, the kernels' work included: an upper bound on a launch's cost), and
 the bytes a step must read (weights + the K/V rows it attends to) over the graph p50, as a share of the read
 bandwidth the benchmark measured beside it (limit_gbs).
 """
