@@ -152,27 +152,27 @@ step_profile() {
     python3 tests/gpu_kernel_profile.py "$out/profile_ncu.csv" >"$out/profile.md" 2>&1; cat "$out/profile.md"
     # The decoding kernel once more, one launch past the first decode steps, with what its warps wait on: its time
     # hardly depends on the rows it reads (book 07, version 6), so the stall reasons say what a round of rows waits
-    # for (memory, shuffles, the exponentials), in profile_attention.txt.
+    # for (memory, shuffles, the exponentials): every metric in profile_attention.csv, the stalls in
+    # stalls_attention.md (tests/gpu_stall_table.py).
     timeout "${PROFILE_SECONDS:-200}" ncu --clock-control none --kernel-name regex:'^attention_decode' --launch-skip 40 \
       --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
-      --section MemoryWorkloadAnalysis --page raw --print-units base --log-file "$out/profile_attention.txt" \
+      --section MemoryWorkloadAnalysis --csv --page raw --print-units base --log-file "$out/profile_attention.csv" \
       build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown \
       --lengths 4096 --max-new-tokens 8 >"$out/profile_attention_run.log" 2>&1
     # --page raw: every metric the sections collected, the per-reason stalls (smsp__average_warp_latency_issue_stalled_*,
     # smsp__pcsamp_warps_issue_stalled_*) among them, where the details page shows only each section's summary
     echo "ncu, the decoding kernel's stall reasons: exit $?"
-    grep -E "gpu__time_duration.sum|stalled|warps_active|issue_active" "$out/profile_attention.txt" | head -60
+    python3 tests/gpu_stall_table.py "$out/profile_attention.csv" >"$out/stalls_attention.md" 2>&1; cat "$out/stalls_attention.md"
     # The same for five consecutive products of a decode step (each of a layer's four, q/k/v, Wo, W1/W3 and W2,
     # at least once; their grids, 768, 512, 1,408 and 512 blocks, and their order tell them apart): why q/k/v and Wo read at
-    # ~1.55 TB/s where W1/W3 reach 2.5 (book 07), in profile_gemv.txt.
+    # ~1.55 TB/s where W1/W3 reach 2.5 (book 07): profile_gemv.csv, and stalls_gemv.md.
     timeout "${PROFILE_SECONDS:-200}" ncu --clock-control none --kernel-name regex:'^gemv_kernel' --launch-skip 200 \
       --launch-count 5 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      --section SchedulerStats --section MemoryWorkloadAnalysis --page raw --print-units base \
-      --log-file "$out/profile_gemv.txt" build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 \
+      --section SchedulerStats --section MemoryWorkloadAnalysis --csv --page raw --print-units base \
+      --log-file "$out/profile_gemv.csv" build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 \
       --memory-limit 70GiB --breakdown --lengths 4096 --max-new-tokens 8 >"$out/profile_gemv_run.log" 2>&1
     echo "ncu, the products' stall reasons: exit $?"
-    grep -E "launch__grid_size|gpu__time_duration.sum|warp_latency_issue_stalled_(long_scoreboard|barrier|wait|lg_throttle|short_scoreboard|no_instruction)|warps_active.avg.pct" \
-      "$out/profile_gemv.txt" | head -60
+    python3 tests/gpu_stall_table.py "$out/profile_gemv.csv" >"$out/stalls_gemv.md" 2>&1; cat "$out/stalls_gemv.md"
   else
     echo "ncu is not on the PATH: no kernel profile"
   fi

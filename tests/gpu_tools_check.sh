@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU session's tools, checked where there is no GPU (a lent GPU's minutes are too few to find a typo in them):
 # tests/gpu_session.sh parses and refuses an unknown step; tests/gpu_ab_table.py makes the A/B table, the chunks
-# step's rows included, from breakdown CSVs named as gpu_session.sh names them (a stored GPU run's CSV stands in).
+# step's rows included, from breakdown CSVs named as gpu_session.sh names them (a stored GPU run's CSV stands in);
+# tests/gpu_stall_table.py makes the stall table.
 # Usage: bash tests/gpu_tools_check.sh PYTHON3 (from anywhere).
 set -euo pipefail
 python=${1:?usage: gpu_tools_check.sh PYTHON3}
@@ -29,4 +30,16 @@ expected=" base ; this build ; this build, KVS_DECODE_CHUNKS=32,64 ; this build,
 [[ $order == "$expected" ]] || { echo "rows in the wrong order: $order"; exit 1; }
 grep -q '^| 512 | this build, KVS_DECODE_CHUNKS=128,16 | 1.763 | 1.726 | 0.660 | 83 |' "$work/table.md" ||
   { echo "the chunks row lost the CSV's numbers"; exit 1; }
+# The stall table, from a CSV laid out as ncu 2025.3 wrote the kernel profile's on the H100 (a units row under the
+# header, the kernel's full name, numbers with thousands separators); its numbers are made up.
+cat >"$work/stalls.csv" <<'CSV'
+==PROF== Connected to process 1234
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","gpu__time_duration.sum","sm__warps_active.avg.pct_of_peak_sustained_active","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio"
+"","","","","","","","","","","","ns","%","inst","inst","inst"
+"0","1234","03_benchmark","h","void kvs::<unnamed>::attention_decode_kernel<4, 1, true>(float *, kvs::<unnamed>::DecodeChunks, int)","1","13","(128, 1, 1)","(4, 64, 1)","0","9.0","47,300","12.1","3.50","0.25","1.25"
+CSV
+"$python" "$root/tests/gpu_stall_table.py" "$work/stalls.csv" >"$work/stalls.md"
+cat "$work/stalls.md"
+grep -qF '| `attention_decode_kernel<4, 1, true>` | (4, 64, 1) | 47.3 | 12% | 5.00 in all: long_scoreboard 3.50 (70%), short_scoreboard 1.25 (25%), barrier 0.25 (5%) |' \
+  "$work/stalls.md" || { echo "the stall table lost the CSV's numbers or their order"; exit 1; }
 echo "gpu session tools: ok"
