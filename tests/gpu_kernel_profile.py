@@ -123,18 +123,20 @@ def report(launches):
     return lines
 
 
-def main(argv):
+def main(argv, doc=__doc__, script="gpu_kernel_profile.py", read=read_launches, make=report):
+    """The command line of this script and of gpu_stall_table.py: NCU_CSV in, the table out (exit 1 on a bad file,
+    2 on a bad command line)."""
     if len(argv) != 2 or argv[1] in ("-h", "--help"):
-        print(__doc__.strip())
+        print(doc.strip())
         return 0 if len(argv) == 2 else 2
     path = Path(argv[1])
     if not path.is_file():
-        print(f"gpu_kernel_profile.py: error: {path} is not a file; give the CSV ncu wrote (--log-file)", file=sys.stderr)
+        print(f"{script}: error: {path} is not a file; give the CSV ncu wrote (--log-file)", file=sys.stderr)
         return 1
     try:
-        print("\n".join(report(read_launches(path))))
+        print("\n".join(make(read(path))))
     except ValueError as e:
-        print(f"gpu_kernel_profile.py: error: {e}", file=sys.stderr)
+        print(f"{script}: error: {e}", file=sys.stderr)
         return 1
     return 0
 

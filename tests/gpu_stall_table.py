@@ -20,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-from gpu_kernel_profile import number, optional_number, short_name
+from gpu_kernel_profile import main, number, optional_number, short_name
 
 TIME, OCCUPANCY = "gpu__time_duration.sum", "sm__warps_active.avg.pct_of_peak_sustained_active"
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio")
@@ -68,21 +68,5 @@ def report(launches):
     return lines
 
 
-def main(argv):
-    if len(argv) != 2 or argv[1] in ("-h", "--help"):
-        print(__doc__.strip())
-        return 0 if len(argv) == 2 else 2
-    path = Path(argv[1])
-    if not path.is_file():
-        print(f"gpu_stall_table.py: error: {path} is not a file; give the CSV ncu wrote (--log-file)", file=sys.stderr)
-        return 1
-    try:
-        print("\n".join(report(read_launches(path))))
-    except ValueError as e:
-        print(f"gpu_stall_table.py: error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main(sys.argv, __doc__, "gpu_stall_table.py", read_launches, report))
