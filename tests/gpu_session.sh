@@ -90,8 +90,8 @@ step_ab() {
 }
 step_chunks() {
   # Decoding's chunks (KVS_DECODE_CHUNKS=SPLITS,ROWS, default 64,64): more, shorter chunks keep more of the GPU
-  # busy - at 512 positions the default's 8 chunks are 32 blocks of the synthetic model on 132 SMs, each warp four
-  # rounds of rows - but the last block of each KV head merges every chunk's partial. Each setting in turn, the
+  # busy - at 512 positions the default's 8 or 9 chunks are 32 to 36 blocks of the synthetic model on 132 SMs, each
+  # warp four rounds of rows - but the last block of each KV head merges every chunk's partial. Each setting in turn, the
   # synthetic model at 512, 4,096 and 16,384 positions and the shipped one; CHUNKS (space-separated) replaces the
   # settings, CHUNKS_ROUNDS (default 1: one build, no drift between builds to interleave against) repeats them.
   # Their rows join ab_table.md.
@@ -159,13 +159,13 @@ step_profile() {
       --section MemoryWorkloadAnalysis --csv --page raw --print-units base --log-file "$out/profile_attention.csv" \
       build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown \
       --lengths 4096 --max-new-tokens 8 >"$out/profile_attention_run.log" 2>&1
-    # --page raw: every metric the sections collected, the per-reason stalls (smsp__average_warp_latency_issue_stalled_*,
-    # smsp__pcsamp_warps_issue_stalled_*) among them, where the details page shows only each section's summary
+    # --page raw: every metric the sections collected, the per-reason stalls (smsp__average_warps_issue_stalled_*_per_
+    # issue_active.ratio, which gpu_stall_table.py reads, smsp__pcsamp_warps_issue_stalled_*) among them, where the details page shows only each section's summary
     echo "ncu, the decoding kernel's stall reasons: exit $?"
     python3 tests/gpu_stall_table.py "$out/profile_attention.csv" >"$out/stalls_attention.md" 2>&1; cat "$out/stalls_attention.md"
     # The same for five consecutive products of a decode step (each of a layer's four, q/k/v, Wo, W1/W3 and W2,
-    # at least once; their grids, 768, 512, 1,408 and 512 blocks, and their order tell them apart): why q/k/v and Wo read at
-    # ~1.55 TB/s where W1/W3 reach 2.5 (book 07): profile_gemv.csv, and stalls_gemv.md.
+    # at least once; their grids, 768, 512, 1,408 and 512 blocks, and their order tell them apart): why q/k/v and
+    # Wo read at ~1.55 TB/s where W1/W3 reach 2.5 (book 07): profile_gemv.csv, and stalls_gemv.md.
     timeout "${PROFILE_SECONDS:-200}" ncu --clock-control none --kernel-name regex:'^gemv_kernel' --launch-skip 200 \
       --launch-count 5 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section SchedulerStats --section MemoryWorkloadAnalysis --csv --page raw --print-units base \
