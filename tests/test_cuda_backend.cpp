@@ -71,7 +71,6 @@ std::vector<std::string> kernel_backends() {
   return names;
 }
 
-
 }  // namespace
 
 TEST_CASE("cuda kernels: embedding, RMSNorm, SwiGLU and add equal the CPU backend across block boundaries") {
@@ -376,8 +375,8 @@ TEST_CASE("cuda kernels: RoPE tables and rotations equal the CPU backend and the
 // at pos .. pos + n - 1 and compares with the reference.
 // rotate_at_read: keys and queries unrotated, attention rotates them (chapter 04's within-window RoPE).
 static void check_attention(Backend& b, std::mt19937& gen, const AttentionShape& shape,
-                            const std::vector<int>& positions, bool explicit_positions, int first_position, Window window, int pos, int n,
-                            bool rotate_at_read = false) {
+                            const std::vector<int>& positions, bool explicit_positions, int first_position,
+                            Window window, int pos, int n, bool rotate_at_read = false) {
   CAPTURE(shape.n_heads); CAPTURE(shape.n_kv_heads); CAPTURE(shape.head_dim);
   CAPTURE(positions.size()); CAPTURE(pos); CAPTURE(n); CAPTURE(window.size); CAPTURE(window.sinks);
   CAPTURE(rotate_at_read);
