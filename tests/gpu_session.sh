@@ -133,6 +133,19 @@ step_sanitize() {
   done
   step_done sanitize
 }
+# stall_profile NAME KERNEL_REGEX SKIP COUNT: Nsight Compute's warp-state sections on COUNT launches of the kernels
+# KERNEL_REGEX matches, after SKIP of them, in the synthetic model's decode steps at 4,096 positions. Every metric
+# in profile_NAME.csv (--page raw: the per-reason stalls among them, smsp__average_warps_issue_stalled_*_per_issue_
+# active.ratio, where the details page shows only each section's summary), the stalls as a table in stalls_NAME.md.
+stall_profile() {
+  timeout "${PROFILE_SECONDS:-200}" ncu --clock-control none --kernel-name regex:"$2" --launch-skip "$3" \
+    --launch-count "$4" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis --csv --page raw --print-units base \
+    --log-file "$out/profile_$1.csv" build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 \
+    --memory-limit 70GiB --breakdown --lengths 4096 --max-new-tokens 8 >"$out/profile_$1_run.log" 2>&1
+  echo "ncu, what the warps of $1 wait on: exit $?"
+  python3 tests/gpu_stall_table.py "$out/profile_$1.csv" >"$out/stalls_$1.md" 2>&1; cat "$out/stalls_$1.md"
+}
 step_profile() {
   # The synthetic model's decode kernels one by one under Nsight Compute: each kernel's own time and the bytes it
   # reads from DRAM, against the ~3 TB/s a step could reach - which kernels keep a step from its bandwidth
@@ -152,27 +165,12 @@ step_profile() {
     python3 tests/gpu_kernel_profile.py "$out/profile_ncu.csv" >"$out/profile.md" 2>&1; cat "$out/profile.md"
     # The decoding kernel once more, one launch past the first decode steps, with what its warps wait on: its time
     # hardly depends on the rows it reads (book 07, version 6), so the stall reasons say what a round of rows waits
-    # for (memory, shuffles, the exponentials): every metric in profile_attention.csv, the stalls in
-    # stalls_attention.md (tests/gpu_stall_table.py).
-    timeout "${PROFILE_SECONDS:-200}" ncu --clock-control none --kernel-name regex:'^attention_decode' --launch-skip 40 \
-      --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
-      --section MemoryWorkloadAnalysis --csv --page raw --print-units base --log-file "$out/profile_attention.csv" \
-      build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown \
-      --lengths 4096 --max-new-tokens 8 >"$out/profile_attention_run.log" 2>&1
-    # --page raw: every metric the sections collected, the per-reason stalls (smsp__average_warps_issue_stalled_*_per_
-    # issue_active.ratio, which gpu_stall_table.py reads, smsp__pcsamp_warps_issue_stalled_*) among them, where the details page shows only each section's summary
-    echo "ncu, the decoding kernel's stall reasons: exit $?"
-    python3 tests/gpu_stall_table.py "$out/profile_attention.csv" >"$out/stalls_attention.md" 2>&1; cat "$out/stalls_attention.md"
+    # for (memory, shuffles, the exponentials).
+    stall_profile attention '^attention_decode' 40 1
     # The same for five consecutive products of a decode step (each of a layer's four, q/k/v, Wo, W1/W3 and W2,
     # at least once; their grids, 768, 512, 1,408 and 512 blocks, and their order tell them apart): why q/k/v and
-    # Wo read at ~1.55 TB/s where W1/W3 reach 2.5 (book 07): profile_gemv.csv, and stalls_gemv.md.
-    timeout "${PROFILE_SECONDS:-200}" ncu --clock-control none --kernel-name regex:'^gemv_kernel' --launch-skip 200 \
-      --launch-count 5 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      --section SchedulerStats --section MemoryWorkloadAnalysis --csv --page raw --print-units base \
-      --log-file "$out/profile_gemv.csv" build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 \
-      --memory-limit 70GiB --breakdown --lengths 4096 --max-new-tokens 8 >"$out/profile_gemv_run.log" 2>&1
-    echo "ncu, the products' stall reasons: exit $?"
-    python3 tests/gpu_stall_table.py "$out/profile_gemv.csv" >"$out/stalls_gemv.md" 2>&1; cat "$out/stalls_gemv.md"
+    # Wo read at ~1.55 TB/s where W1/W3 reach 2.5 (book 07).
+    stall_profile gemv '^gemv_kernel' 200 5
   else
     echo "ncu is not on the PATH: no kernel profile"
   fi
