@@ -169,10 +169,14 @@ TEST_CASE("teacher forcing: a run fed its own greedy tokens computes exactly the
   const RecordedRun forced = run(std::span<const int>(free.tokens).subspan(prompt.size()));
   CHECK(forced.tokens == free.tokens);
   CHECK(forced.logits == free.logits);
-  // Other tokens than the greedy ones really are fed: the logits change.
+  // Other tokens than the greedy ones really are fed: the run's tokens are the forced ones, the first step's
+  // logits (the prompt's alone) are unchanged, and the logits after the first forced token differ.
   std::vector<int> spaces(40, ' ');
-  CHECK(run(spaces).tokens[prompt.size() + 5] == ' ');
-  CHECK(run(spaces).logits[5] != free.logits[5]);
+  const RecordedRun spaced = run(spaces);
+  CHECK(std::vector<int>(spaced.tokens.begin() + std::ptrdiff_t(prompt.size()), spaced.tokens.end()) == spaces);
+  CHECK(free.tokens[prompt.size()] != ' ');  // else the first forced token would be the greedy one
+  CHECK(spaced.logits[0] == free.logits[0]);
+  CHECK(spaced.logits[1] != free.logits[1]);
   CHECK_THROWS_AS(run(std::span<const int>(spaces).first(39)), std::invalid_argument);
 }
 
