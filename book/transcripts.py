@@ -92,8 +92,10 @@ def shrink(command):
         command = command.replace("00_perplexity", "00_perplexity --max-bytes 4096", 1)
     if "04_sliding_window" in command:
         command = re.sub(r"--windows \S+", "--windows full,8", command)
-        if "--experiment perplexity" in command or "--experiment recall" in command:
+        if "--experiment perplexity" in command:
             command += " --windows full,8 --max-bytes 2048" if "--windows" not in command else " --max-bytes 2048"
+        if "--experiment recall" in command and "--windows" not in command:
+            command += " --windows full,8"
         if "--experiment recall" in command and "--distances" not in command:
             command += " --distances 128"
         if "--experiment stream" in command:

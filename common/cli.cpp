@@ -86,6 +86,19 @@ void ArgParser::add_bytes(const std::string& name, const std::string& help, std:
 
 void ArgParser::add_check(std::function<std::string()> check) { checks_.push_back(std::move(check)); }
 
+void ArgParser::add_read_only_by(const std::string& choice_flag, const std::string* chosen, FlagReaders readers) {
+  add_check([this, choice_flag, chosen, readers = std::move(readers)] {
+    for (const auto& [flag, values] : readers) {
+      if (!given(flag) || std::ranges::find(values, *chosen) != values.end()) continue;
+      std::string list;
+      for (std::size_t i = 0; i < values.size(); ++i)
+        list += (i == 0 ? "" : i + 1 == values.size() ? " or " : ", ") + values[i];
+      return flag + " is for " + choice_flag + " " + list + ", not " + *chosen + ": drop it";
+    }
+    return std::string();
+  });
+}
+
 void ArgParser::add_switch(const std::string& name, const std::string& help, bool* target) {
   flags_.push_back({name, "", help, [target](const std::string&) {
                       *target = true;
@@ -205,8 +218,9 @@ void add_common_flags(ArgParser& p, CommonOptions& o, const std::string& default
               &o.max_new_tokens, 0, 1 << 20);
   }
   if (which == CommonFlags::kGeneration) {
-    p.add_float("--temperature", "0 = greedy (default), otherwise sample from softmax(logits / T)", &o.temperature,
-                0.0f, 100.0f);
+    std::ostringstream temperature;  // the chapter's default: 0 (greedy) in most, 0.8 where samples must differ
+    temperature << "0 = greedy, otherwise sample from softmax(logits / T) (default " << o.temperature << ")";
+    p.add_float("--temperature", temperature.str(), &o.temperature, 0.0f, 100.0f);
     p.add_int("--top-k", "sample among the K most likely tokens only (default 0 = all)", &o.top_k, 0, 1 << 21);
     p.add_u64("--seed", "random seed for sampling (default " + std::to_string(o.seed) + ")", &o.seed);
     p.add_check([&p, &o] {

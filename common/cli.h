@@ -14,6 +14,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kvs {
@@ -37,6 +38,12 @@ class ArgParser {
   void add_bytes(const std::string& name, const std::string& help, std::int64_t* target);
   // A rule about several flags, checked after all of them are parsed: returns the error, empty when all is well.
   void add_check(std::function<std::string()> check);
+  // Flags that only some values of a choice read (the experiments of --experiment): each entry names a flag and
+  // the values that read it. A flag given with a value that does not read it is refused after parsing, naming
+  // the values that do ("--windows is for --experiment perplexity, recall, fluency or samples, not induction"),
+  // so that no run ignores a flag it was given. `chosen` is read after parsing (its default where not given).
+  using FlagReaders = std::vector<std::pair<std::string, std::vector<std::string>>>;
+  void add_read_only_by(const std::string& choice_flag, const std::string* chosen, FlagReaders readers);
   // Whether the flag appeared on the command line (after parsing).
   bool given(const std::string& name) const { return given_.count(name) > 0; }
   const std::string& program() const { return program_; }

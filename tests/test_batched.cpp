@@ -741,17 +741,18 @@ TEST_CASE("scheduler: a request that can never fit is refused before anything ru
 // request no pool of the run can hold used to stop the experiment midway, after its setup and first rows.
 TEST_CASE("08_paged_batching: every pool of the experiment is checked before anything prints, in one line") {
   const std::string bin = std::string(KVS_BIN_DIR) + "/08_paged_batching --model " + test::golden_path("mha.bin") +
-                          " --threads 1 --token-budget 32 --max-batch 4";  // mha.bin: 96 positions, 1 KiB each
+                          " --threads 1 --token-budget 32";  // mha.bin: 96 positions, 1 KiB each
   struct Case {
     std::string flags, error;
   };
   for (const Case& c : {Case{" --experiment memory --requests 4 --prompt-lengths 4,8 --output-lengths 2,3 --block-sizes 1,4,16 "
                              "--kv-memory 40KiB",
                              "holds no block of 96 positions"},  // the max-length row, after 1, 4 and 16
-                        Case{" --experiment preemption --requests 4 --prompt-lengths 40,40 --output-lengths 30,30 "
-                             "--block-size 4 --kv-memory 64KiB",
+                        Case{" --experiment preemption --max-batch 4 --requests 4 --prompt-lengths 40,40 "
+                             "--output-lengths 30,30 --block-size 4 --kv-memory 64KiB",
                              "needs 70 positions of cache; the pool holds at most 64"},
-                        Case{" --requests 4 --prompt-lengths 90,90 --output-lengths 10,10", "past the 96 this model serves"}}) {
+                        Case{" --max-batch 4 --requests 4 --prompt-lengths 90,90 --output-lengths 10,10",
+                             "past the 96 this model serves"}}) {
     CAPTURE(c.flags);
     const auto r = test::run_command(bin + c.flags);
     CHECK(r.exit_code == 2);
@@ -759,6 +760,19 @@ TEST_CASE("08_paged_batching: every pool of the experiment is checked before any
     CHECK(r.err.find(c.error) != std::string::npos);
     CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
   }
+}
+
+// Two requests that finish in the same step leave no step in which to arm the double free: the experiment used to
+// print "after step -1", "every one of them is caught" of 0 changed outputs, then "(unexpected)", exit 1.
+TEST_CASE("08_paged_batching --experiment break: requests that all finish together are refused, not reported") {
+  const auto r = test::run_command(std::string(KVS_BIN_DIR) + "/08_paged_batching --model " + test::golden_path("mha.bin") +
+                                   " --threads 1 --token-budget 32 --max-batch 4 --experiment break --requests 2 --prompt-lengths 4,4 "
+                                   "--output-lengths 2,2");
+  CAPTURE(r.err);
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.empty());
+  CHECK(r.err.find("the double free was never armed") != std::string::npos);
+  CHECK(r.err.find("caught") == std::string::npos);
 }
 
 TEST_CASE("trace files: requests parsed, a malformed line named with its number") {

@@ -157,6 +157,29 @@ TEST_CASE("cli: more threads than cores and sampling flags without sampling are 
   CHECK(parse({"--csv", ""}).outcome.error == "--csv needs a non-empty value");
 }
 
+TEST_CASE("cli: a flag that the chosen experiment does not read is refused, naming the experiments that do") {
+  auto outcome = [](std::vector<const char*> args) {
+    std::string experiment = "run", windows, csv;
+    int every = 1;
+    ArgParser parser("prog", "test");
+    parser.add_string("--experiment", "NAME", "run, sweep or probe", &experiment);
+    parser.add_string("--windows", "LIST", "sweep only", &windows);
+    parser.add_int("--every", "run and probe", &every, 1, 100);
+    parser.add_string("--csv", "PATH", "every experiment", &csv);
+    parser.add_read_only_by("--experiment", &experiment,
+                            {{"--windows", {"sweep"}}, {"--every", {"run", "probe"}}, {"--csv", {"run", "sweep", "probe"}}});
+    args.insert(args.begin(), "prog");
+    return parser.try_parse(static_cast<int>(args.size()), args.data()).error;
+  };
+  // The default experiment counts as chosen; one reader, two, and the flags no rule names pass.
+  CHECK(outcome({"--windows", "8"}) == "--windows is for --experiment sweep, not run: drop it");
+  CHECK(outcome({"--experiment", "sweep", "--every", "2"}) == "--every is for --experiment run or probe, not sweep: drop it");
+  CHECK(outcome({"--experiment", "sweep", "--windows", "8", "--csv", "x"}).empty());
+  CHECK(outcome({"--every", "3", "--csv", "x"}).empty());
+  CHECK(outcome({"--experiment", "probe", "--every", "3"}).empty());
+  CHECK(outcome({}).empty());
+}
+
 // What a Progress wrote to a temporary file.
 std::string progress_output(int terminal, double interval_ms, const std::vector<std::pair<int, int>>& updates) {
   std::FILE* out = std::tmpfile();

@@ -326,6 +326,37 @@ TEST_CASE("inputs: empty values, sub-byte sizes and sampling flags without sampl
   CHECK(run_command(ch01 + " --max-new-tokens 3 --temperature 0.8 --top-k 5 --seed 3").exit_code == 0);
 }
 
+// A flag the chosen experiment never reads used to run it anyway, the flag silently dropped (09's prefix ran greedy
+// under --temperature 0.5; 04 took --experiment sample for a part of "samples" and ran nothing, exit 0).
+TEST_CASE("inputs: a flag the chosen experiment would ignore is refused, and so is a misspelled experiment") {
+  for (const auto& [command, message] : std::vector<std::pair<std::string, std::string>>{
+           {"04_sliding_window --experiment sample", "--experiment 'sample': use one of"},
+           {"04_sliding_window --experiment memory --windows full,64",
+            "--windows is for --experiment perplexity, recall, fluency or samples, not memory: drop it"},
+           {"04_sliding_window --experiment samples --csv out.csv", "--csv is for --experiment generate,"},
+           {"04_sliding_window --experiment perplexity --temperature 0.8", "--temperature is for --experiment generate,"},
+           {"04_sliding_window --experiment induction --sinks 2", "--sinks is for --experiment generate,"},
+           {"05_break_corrupt_key --experiment sweep --every 2", "--every is for --experiment run, not sweep"},
+           {"06_break_off_by_one --experiment probes --every 3", "--every is for --experiment run, not probes"},
+           {"08_paged_batching --batch-sizes 1,2", "--batch-sizes is for --experiment throughput, not serve: drop it"},
+           {"08_paged_batching --experiment throughput --max-batch 4", "--max-batch is for --experiment serve, batching,"},
+           {"08_paged_batching --kv-format int8 --int4-group 8", "--int4-group is for --kv-format int4, not int8"},
+           {"09_prefix_sharing --experiment prefix --temperature 0.5",
+            "--temperature is for --experiment samples, sampling or break, not prefix: drop it"},
+           {"09_prefix_sharing --experiment mixed --counts 1,2", "--counts is for --experiment prefix or sampling, not mixed"},
+           {"10_quantized_cache --experiment memory --steps 5", "--steps is for --experiment speed, not memory: drop it"},
+           {"10_quantized_cache --formats fp16,int8 --group 8", "--group is for --formats with int4, kivi or int4o"},
+       }) {
+    CAPTURE(command);
+    const auto r = run_command(binary(command) + small_model());
+    CAPTURE(r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(r.out.empty());
+    CHECK(r.err.find(message) != std::string::npos);
+    CHECK(std::ranges::count(r.err, '\n') == 1);
+  }
+}
+
 TEST_CASE("inputs: --backend takes cpu or cuda, and refuses cuda without a build or a GPU for it, or with --threads") {
   const std::string ch01 = binary("01_naive_generation") + " --model " + golden_path("mha.bin") + " --max-new-tokens 3";
   const auto unknown = run_command(ch01 + " --backend tpu");

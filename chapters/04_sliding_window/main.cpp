@@ -80,7 +80,7 @@ int main(int argc, char** argv) {
                  &sinks, 0, 1 << 21);
   parser.add_string("--positions", "KIND", "absolute or within-window (default absolute; see above)", &positions_name);
   parser.add_int("--chunk", "positions per forward call: prefill and evaluation (default 64)", &chunk, 1, 4096);
-  parser.add_string("--windows", "LIST", "windows for perplexity, fluency and samples, e.g. full,256,32", &windows_text);
+  parser.add_string("--windows", "LIST", "windows for perplexity, recall, fluency and samples, e.g. full,256,32", &windows_text);
   parser.add_string("--distances", "LIST", "recall and induction: distances d of 98 or more bytes (default 128,256,512,1024)",
                     &distances_text);
   parser.add_int("--max-bytes", "perplexity: held-out bytes to evaluate (default 16384)", &max_bytes, 2, 1 << 30);
@@ -90,10 +90,32 @@ int main(int argc, char** argv) {
   parser.add_check([&] {
     if (positions_name != "absolute" && positions_name != "within-window")
       return "--positions '" + positions_name + "': use absolute or within-window";
-    if (std::string(kExperiments).find(experiment) == std::string::npos || experiment.find(',') != std::string::npos)
-      return "--experiment '" + experiment + "': use one of " + kExperiments;
-    return std::string();
+    for (const char* name : {"generate", "perplexity", "recall", "induction", "fluency", "stream", "memory", "samples"})
+      if (experiment == name) return std::string();
+    return "--experiment '" + experiment + "': use one of " + kExperiments;
   });
+  // What each experiment reads (experiments.cpp): the generating ones the prompt and the sampler; recall, induction
+  // and perplexity the held-out text, teacher-forced; stream its own ring, rotated within the window; induction a
+  // full cache. --model, --threads, --backend, --memory-limit and --chunk: every one.
+  const std::vector<std::string> generating = {"generate", "memory", "samples"},
+                                 sampling = {"generate", "fluency", "memory", "samples"};
+  parser.add_read_only_by(
+      "--experiment", &experiment,
+      {{"--prompt", generating},
+       {"--prompt-file", generating},
+       {"--max-new-tokens", sampling},
+       {"--temperature", sampling},
+       {"--top-k", sampling},
+       {"--seed", sampling},
+       {"--csv", {"generate", "perplexity", "recall", "induction", "fluency", "stream", "memory"}},
+       {"--window", {"generate", "stream", "memory"}},
+       {"--sinks", {"generate", "perplexity", "recall", "fluency", "stream", "memory", "samples"}},
+       {"--positions", {"generate", "perplexity", "recall", "fluency", "memory", "samples"}},
+       {"--windows", {"perplexity", "recall", "fluency", "samples"}},
+       {"--distances", {"recall", "induction"}},
+       {"--max-bytes", {"perplexity"}},
+       {"--context", {"perplexity"}},
+       {"--stream-bytes", {"stream"}}});
   parser.parse(argc, argv);
 
   return kvs::run_main(parser, [&] {

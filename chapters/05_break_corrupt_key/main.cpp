@@ -88,6 +88,13 @@ int main(int argc, char** argv) {
     if (options.max_new_tokens < 2) return std::string("--max-new-tokens: at least 2 (one step before the corruption, one after)");
     return std::string();
   });
+  // The run corrupts the one vector its flags name; the sweep chooses its own over layers, positions and seeds.
+  kvs::ArgParser::FlagReaders readers;
+  for (const char* flag : {"--layer", "--kv-head", "--position", "--at-step", "--corruption-seed", "--value",
+                           "--restore-after", "--every", "--contamination-csv", "--prompt", "--prompt-file"})
+    readers.push_back({flag, {"run"}});
+  for (const char* flag : {"--prompts", "--seeds", "--prompt-bytes", "--kl-csv"}) readers.push_back({flag, {"sweep"}});
+  parser.add_read_only_by("--experiment", &experiment, std::move(readers));
   parser.parse(argc, argv);
 
   return kvs::run_main(parser, [&] {
@@ -96,13 +103,6 @@ int main(int argc, char** argv) {
                       : kind_name == "zeros" ? kvs::ch05::Kind::kZeros
                                              : kvs::ch05::Kind::kScale;
     corruption.amount = parser.given("--amount") ? amount : kind_name == "scale" ? 10.0f : 16.0f;
-    if (experiment == "sweep")
-      for (const char* flag : {"--layer", "--kv-head", "--position", "--at-step", "--corruption-seed", "--value",
-                               "--restore-after", "--every", "--contamination-csv", "--prompt", "--prompt-file"})
-        if (parser.given(flag))
-          throw kvs::UsageError(std::string(flag) + " is for --experiment run; the sweep chooses its own (see --help)");
-    for (const char* flag : {"--prompts", "--seeds", "--prompt-bytes", "--kl-csv"})
-      if (experiment == "run" && parser.given(flag)) throw kvs::UsageError(std::string(flag) + " is for --experiment sweep");
     // The sweep cuts its prompts from the held-out text; the run's prompt must fit with its new tokens.
     kvs::Runtime rt(options, kDefaultPrompt, experiment == "run" ? kvs::PromptFit::kMustFit : kvs::PromptFit::kCutByCaller,
                     experiment == "run" ? 0 : prompt_bytes + options.max_new_tokens);

@@ -173,17 +173,19 @@ int main(int argc, char** argv) {
     if (options.max_new_tokens < 1) return std::string("--max-new-tokens: at least 1 (the caches are compared step by step)");
     return std::string();
   });
+  // The probes cut their own prompts from the held-out text and generate 400 tokens each.
+  parser.add_read_only_by("--experiment", &experiment,
+                          {{"--max-new-tokens", {"run"}},
+                           {"--prompt", {"run"}},
+                           {"--prompt-file", {"run"}},
+                           {"--every", {"run"}},
+                           {"--prompts", {"probes"}},
+                           {"--probe-tokens", {"probes"}}});
   parser.parse(argc, argv);
 
   return kvs::run_main(parser, [&] {
     std::vector<int> lengths = kvs::parse_int_list("--probe-tokens", probe_tokens, 1, 1 << 20);
     std::sort(lengths.begin(), lengths.end());
-    if (experiment == "probes")
-      for (const char* flag : {"--max-new-tokens", "--prompt", "--prompt-file", "--every"})
-        if (parser.given(flag)) throw kvs::UsageError(std::string(flag) + " is for --experiment run; probes use their own");
-    if (experiment == "run")
-      for (const char* flag : {"--prompts", "--probe-tokens"})
-        if (parser.given(flag)) throw kvs::UsageError(std::string(flag) + " is for --experiment probes");
     // probes: prompts of up to 256 bytes, and the longest probe.
     const int seq_len = kvs::Checkpoint(kvs::resolve_model_path(options)).config().seq_len;
     const int prompt_bytes = std::min(256, seq_len - lengths.back());

@@ -105,16 +105,18 @@ BlockPool make_pool(Setup& s, int block_size, std::int64_t bytes, int max_sequen
 void check_pools(const Setup& s, const std::string& experiment) {
   const ModelConfig& c = s.rt.model.config();
   std::vector<int> block_sizes = {s.block_size};
+  SchedulerOptions options = s.options;
   if (experiment == "memory") {
     block_sizes = s.block_sizes;
     block_sizes.push_back(c.seq_len);  // memory_waste's max-length reservation
+    options.max_batch = options.token_budget;  // as memory_waste runs
   }
   for (int block_size : block_sizes) {
     const int blocks = pool_blocks(s, block_size, s.kv_memory);
     if (experiment == "throughput") continue;  // it draws requests of its own, per batch size
     // As make_pool's pool would hold: its block tables are sized for the model's context.
     check_requests(s.rt.model, pool_positions(blocks_needed(c.seq_len, block_size), blocks, block_size), s.requests,
-                   s.options);
+                   options);
   }
 }
 
@@ -392,6 +394,9 @@ int break_double_free(Setup& s) {
   int armed_at = -1;
   std::vector<RequestResult> results;
   broken_run(false, armed_at, results);
+  if (armed_at < 0)  // every request finished in the same step: nothing ran after a request had finished
+    throw UsageError("--experiment break: no request finished while another still ran, so the double free was never "
+                     "armed; give requests of different lengths (a wider --output-lengths) or more --requests");
   std::fprintf(stderr, "the next block given back after step %d (the first request had finished) freed twice; blocks of %d "
                        "positions, no audit:\n",
                armed_at, s.block_size);

@@ -72,10 +72,6 @@ int main(int argc, char** argv) {
            experiment;
   });
   parser.add_check([&] {
-    if (experiment == "throughput" || !parser.given("--rounds")) return std::string();
-    return "--rounds is for --experiment throughput, not " + experiment;
-  });
-  parser.add_check([&] {
     if (kvs::parse_kv_format(kv_format, pool_format.format)) return std::string();
     return "--kv-format " + kv_format + " is not one of fp32, fp16, bf16, int8, int4";
   });
@@ -88,10 +84,26 @@ int main(int argc, char** argv) {
     return "--batching " + batching + " is not continuous or static";
   });
   parser.add_check([&] {
-    if (max_batch <= token_budget) return std::string();
+    if (max_batch <= token_budget || experiment == "throughput" || experiment == "memory") return std::string();
     return "--max-batch " + std::to_string(max_batch) + " exceeds --token-budget " + std::to_string(token_budget) +
            ": every sequence of a step brings at least one token";
   });
+  parser.add_check([&] {
+    if (kv_format == "int4" || !parser.given("--int4-group")) return std::string();
+    return "--int4-group is for --kv-format int4, not " + kv_format + ": drop it";
+  });
+  // What each experiment reads (experiments.cpp): throughput runs its own batches (every sequence decoding, all
+  // at once, continuous), memory sweeps --block-sizes with a step as wide as the token budget, batching runs
+  // both kinds, preemption its own watermarks (refused above, by name).
+  parser.add_read_only_by("--experiment", &experiment,
+                          {{"--batch-sizes", {"throughput"}},
+                           {"--rounds", {"throughput"}},
+                           {"--block-sizes", {"memory"}},
+                           {"--block-size", {"serve", "throughput", "batching", "preemption", "break"}},
+                           {"--mean-gap", {"serve", "memory", "batching", "preemption", "break"}},
+                           {"--batching", {"serve", "memory", "preemption", "break"}},
+                           {"--max-batch", {"serve", "batching", "preemption", "break"}},
+                           {"--watermark", {"serve", "memory", "batching", "break"}}});
   parser.add_check([&] {
     if (trace_file.empty() || !(parser.given("--requests") || parser.given("--prompt-lengths") ||
                                 parser.given("--output-lengths") || parser.given("--mean-gap") || parser.given("--seed")))
@@ -125,6 +137,7 @@ int main(int argc, char** argv) {
     const kvs::ModelConfig& c = rt.model.config();
     if (const std::string why = kvs::kv_format_shape_error(pool_format.format, c.head_dim(), int4_group); !why.empty())
       throw kvs::UsageError("--int4-group " + std::to_string(int4_group) + ": " + why);
+    pool_format.int4_group = int4_group;  // before the plan below sizes blocks of this format
     // The pool, and the cache a request served alone uses for the check (chapter 03's, or a one-sequence pool); the
     // throughput experiment checks nothing against a request alone.
     rt.plan_kv_cache(kv_memory + (experiment == "throughput" ? 0
@@ -137,7 +150,6 @@ int main(int argc, char** argv) {
       const std::string text = kvs::read_input_file("held-out text", kvs::find_data_file("kjv/valid.txt"), std::size_t{64} << 20);
       requests = kvs::ch08::generate_trace(text, shape);
     }
-    pool_format.int4_group = int4_group;
     kvs::ch08::Setup setup{.rt = rt, .requests = requests, .shape = shape, .block_size = block_size, .kv_memory = kv_memory,
                            .format = pool_format,
                            .options = {.batching = batching == "static" ? kvs::ch08::Batching::kStatic

@@ -31,9 +31,9 @@ struct Running {
 void check_requests(const Model& model, int pool_positions, const std::vector<Request>& requests,
                     const SchedulerOptions& options) {
   if (options.max_batch < 1 || options.token_budget < 1)
-    throw std::invalid_argument("serve: a step needs room for at least one sequence and one token");
+    throw std::invalid_argument("the scheduler: a step needs room for at least one sequence and one token");
   if (options.token_budget > model.max_tokens_per_call() || options.max_batch > model.max_tokens_per_call())
-    throw std::invalid_argument("serve: a step of " + std::to_string(options.token_budget) + " tokens and " +
+    throw std::invalid_argument("the scheduler: a step of " + std::to_string(options.token_budget) + " tokens and " +
                                 std::to_string(options.max_batch) + " sequences; the model was set up for calls of " +
                                 std::to_string(model.max_tokens_per_call()) + " tokens");
   for (std::size_t i = 0; i < requests.size(); ++i) {
@@ -42,13 +42,13 @@ void check_requests(const Model& model, int pool_positions, const std::vector<Re
     const std::string which = "request " + std::to_string(i) + " (" + std::to_string(r.prompt.size()) + "-token prompt, " +
                               std::to_string(r.max_new_tokens) + " new tokens)";
     if (r.prompt.empty() || r.max_new_tokens < 1 || r.arrival_step < 0)
-      throw std::invalid_argument("serve: " + which + " needs a prompt, at least one new token and an arrival step >= 0");
+      throw std::invalid_argument("the scheduler: " + which + " needs a prompt, at least one new token and an arrival step >= 0");
     if (positions > model.config().seq_len || positions > model.max_kv_rows())
-      throw std::invalid_argument("serve: " + which + " needs " + std::to_string(positions) + " positions, past the " +
+      throw std::invalid_argument("the scheduler: " + which + " needs " + std::to_string(positions) + " positions, past the " +
                                   std::to_string(std::min(model.config().seq_len, model.max_kv_rows())) +
                                   " this model serves");
     if (positions > pool_positions)
-      throw std::invalid_argument("serve: " + which + " needs " + std::to_string(positions) +
+      throw std::invalid_argument("the scheduler: " + which + " needs " + std::to_string(positions) +
                                   " positions of cache; the pool holds at most " + std::to_string(pool_positions) +
                                   " for one sequence: give it more memory");
   }

@@ -60,15 +60,33 @@ int main(int argc, char** argv) {
     if (options.max_new_tokens >= 1) return std::string();
     return std::string("--max-new-tokens must be at least 1: a sample or a request generates something");
   });
+  // What each experiment reads (experiments.cpp): prefix and mixed cut their requests from the held-out text and
+  // decode greedily (prefix with --max-new-tokens, mixed 16 to 64 tokens each); the others continue the prompt.
+  const std::vector<std::string> prompted = {"samples", "sampling", "break"};
+  parser.add_read_only_by("--experiment", &experiment,
+                          {{"--prompt", prompted},
+                           {"--prompt-file", prompted},
+                           {"--temperature", prompted},
+                           {"--top-k", prompted},
+                           {"--seed", prompted},
+                           {"--max-new-tokens", {"samples", "prefix", "sampling", "break"}},
+                           {"--samples", {"samples", "break"}},
+                           {"--counts", {"prefix", "sampling"}},
+                           {"--prefix-length", {"prefix"}},
+                           {"--question-length", {"prefix"}},
+                           {"--requests", {"mixed"}},
+                           {"--trace-seed", {"mixed"}},
+                           {"--kv-memory", {"mixed"}}});
   parser.parse(argc, argv);
 
   return kvs::run_main(parser, [&] {
     const std::vector<int> count_list = kvs::parse_int_list("--counts", counts, 1, 4096);
-    int largest = samples;
-    for (int n : count_list) largest = std::max(largest, n);
+    // The most sequences a step carries: the samples, or the largest N of --counts (mixed: its budget's).
+    const int largest = experiment == "prefix" || experiment == "sampling" ? std::ranges::max(count_list)
+                        : experiment == "mixed"                          ? 1
+                                                                         : samples;
     const bool sampling = experiment == "samples" || experiment == "sampling" || experiment == "break";
-    if (sampling && experiment != "sampling") largest = samples;
-    if (!sampling && largest > token_budget)
+    if (experiment == "prefix" && largest > token_budget)
       throw kvs::UsageError("--counts up to " + std::to_string(largest) + " exceed --token-budget " +
                             std::to_string(token_budget) + ": every request of a step brings at least one token");
     // A call carries a scheduler step, a decode step of every sample, or a chunk of the prompt; attention reads up

@@ -156,11 +156,29 @@ int main(int argc, char** argv) {
     if (experiment != "compare" || options.max_new_tokens >= 1) return std::string();
     return std::string("--max-new-tokens must be at least 1: compare generates with each format");
   });
+  // What each experiment reads (experiments.cpp): compare continues the prompt; the others cut their text from the
+  // held-out text, or (memory) write no text at all; channels takes its own groupings instead of --formats.
+  parser.add_read_only_by("--experiment", &experiment,
+                          {{"--prompt", {"compare"}},
+                           {"--prompt-file", {"compare"}},
+                           {"--max-new-tokens", {"compare"}},
+                           {"--formats", {"compare", "memory", "quality", "recall", "speed"}},
+                           {"--budget", {"memory"}},
+                           {"--contexts", {"quality", "speed"}},
+                           {"--text-bytes", {"quality", "channels"}},
+                           {"--distances", {"recall"}},
+                           {"--steps", {"speed"}},
+                           {"--offset", {"channels"}},
+                           {"--errors-csv", {"channels"}}});
   parser.parse(argc, argv);
 
   return kvs::run_main(parser, [&] {
     if (experiment == "channels") return channels(options, parser.given("--text-bytes") ? text_bytes : 2048, offset, group, errors_csv);
     const std::vector<kvs::ch10::CacheFormat> formats = parse_formats(formats_flag);
+    if (parser.given("--group") && std::ranges::none_of(formats, [](kvs::ch10::CacheFormat f) {
+          return f.format == kvs::KvFormat::kInt4 || f.keys != kvs::ch10::Keys::kPerToken;
+        }))
+      throw kvs::UsageError("--group is for --formats with int4, kivi or int4o (or --experiment channels): drop it");
     const bool is_speed = experiment == "speed";
     const std::vector<int> contexts = kvs::parse_int_list(
         "--contexts", contexts_flag.empty() ? (is_speed ? "512,1024,2047" : "512,2048") : contexts_flag, 1, 1 << 20);
