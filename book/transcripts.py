@@ -13,6 +13,7 @@ its machine line names the GPU); --gpu-only re-runs those blocks alone.
     /usr/bin/python3 book/transcripts.py            # regenerate every transcript (minutes; a quiet machine)
     /usr/bin/python3 book/transcripts.py --check    # run every command with tiny settings; exit 1 if one fails
     python3 book/transcripts.py --gpu-only book/07_the_same_cache_on_a_gpu.md   # on a machine with a GPU
+    /usr/bin/python3 book/transcripts.py --only kvs_tests book/03_preallocated_cache.md  # only the blocks that match
 
 Commands run in order, chapter by chapter, with bash, in a scratch folder that looks like the repository
 (build/, data/ and plots/ lead to the real ones), so files a command writes (naive.csv, long_prompt.txt)
@@ -160,19 +161,21 @@ def blocks(text):
             yield i + 2, end, line.strip() == GPU_MARK
 
 
-def process(path, cwd, check, gpu, gpu_only):
+def process(path, cwd, check, gpu, gpu_only, only=None):
     text = path.read_text()
     lines = text.split("\n")
     failures = 0
     out = []
     cursor = 0
     for start, end, needs_gpu in list(blocks(text)):
+        commands = [line[2:] for line in lines[start:end] if line.startswith("$ ")]
+        if only and not any(re.search(only, command) for command in commands):
+            continue  # --only: a block none of whose commands match stays as captured
         if (needs_gpu and not gpu) or (gpu_only and not needs_gpu):
             if needs_gpu and not gpu:
                 print(f"[{path.name}] a GPU transcript left as captured: nvidia-smi finds no GPU here", file=sys.stderr)
             continue  # the block and its machine line stay as they are
         out.extend(lines[cursor:start])
-        commands = [line[2:] for line in lines[start:end] if line.startswith("$ ")]
         body = []
         for command in commands:
             actual = shrink(command) if check else command
@@ -202,16 +205,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="run every command with tiny settings, change nothing")
     parser.add_argument("--gpu-only", action="store_true", help="re-run only the blocks that need a GPU")
+    parser.add_argument("--only", metavar="REGEX",
+                        help="re-run only the blocks with a command matching REGEX (e.g. a test run whose line numbers "
+                             "moved), leaving the timed ones as captured")
     parser.add_argument("chapters", nargs="*", help="book files to process (default: every chapter, in order)")
     args = parser.parse_args()
     paths = [Path(p).resolve() for p in args.chapters] or sorted(BOOK.glob("[0-9][0-9]_*.md"))
     cwd = scratch_folder(args.check)
     try:
         gpu = gpu_name()
-        failures = sum(process(path, cwd, args.check, gpu, args.gpu_only) for path in paths)
+        failures = sum(process(path, cwd, args.check, gpu, args.gpu_only, args.only) for path in paths)
     finally:
         shutil.rmtree(cwd)
-    if not args.check and not args.gpu_only:
+    if not args.check and not args.gpu_only and not args.only:
         code, output = run(f"/usr/bin/python3 '{ROOT}/plots/plot.py'", ROOT)
         print(output, file=sys.stderr)
         failures += code != 0
