@@ -91,7 +91,12 @@ Checkpoint::Checkpoint(const std::string& path) : path_(path) {
     fail(path, std::string("cannot open: ") + std::strerror(error) + " (check the --model path)");
   }
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  if (::fstat(fd, &st) != 0) {
+    const int error = errno;
+    ::close(fd);
+    fail(path, std::string("cannot read its size: ") + std::strerror(error));
+  }
+  if (!S_ISREG(st.st_mode)) {
     ::close(fd);
     fail(path, "not a regular file (a directory, a device or a pipe); give a checkpoint file");
   }
@@ -101,9 +106,10 @@ Checkpoint::Checkpoint(const std::string& path) : path_(path) {
     fail(path, "file is " + std::to_string(size) + " bytes, smaller than the 28-byte header (truncated?)");
   }
   int header[7];
-  if (::pread(fd, header, sizeof header, 0) != static_cast<ssize_t>(sizeof header)) {
+  if (const ssize_t got = ::pread(fd, header, sizeof header, 0); got != static_cast<ssize_t>(sizeof header)) {
+    const int error = errno;
     ::close(fd);
-    fail(path, "cannot read the header");
+    fail(path, std::string("cannot read the header: ") + (got < 0 ? std::strerror(error) : "the file shrank while it was opened"));
   }
   try {
     config_ = validate_header(header, path);
@@ -212,7 +218,12 @@ Checkpoint::~Checkpoint() {
 }
 
 Checkpoint::Checkpoint(Checkpoint&& o) noexcept
-    : path_(std::move(o.path_)), config_(o.config_), tensors_(o.tensors_), mapping_(o.mapping_), bytes_(o.bytes_) {
+    : path_(std::move(o.path_)),
+      config_(o.config_),
+      tensors_(o.tensors_),
+      mapping_(o.mapping_),
+      bytes_(o.bytes_),
+      generated_(o.generated_) {
   o.mapping_ = nullptr;
   o.bytes_ = 0;
 }

@@ -45,7 +45,10 @@ class Model {
   // Runs the model on `tokens` at positions pos .. pos + n - 1 and returns their logits on the host:
   // (1, vocab) for the last position or (n, vocab) for all of them. Keys and values go through `cache`;
   // with no cache, attention sees only this call's tokens (so pos = 0 with the whole sequence is the
-  // naive full recompute). Allocates nothing. Throws std::invalid_argument for a call that does not fit.
+  // naive full recompute). Allocates nothing itself (its buffers are sized at construction); on the CPU a call
+  // of more than 64 tokens goes through Eigen's matrix product, which takes its packing buffers from the heap
+  // once they pass 128 KiB (a long prefill; chapter 01's recompute). Throws std::invalid_argument for a call that
+  // does not fit.
   std::span<const float> forward(std::span<const int> tokens, int pos, KvCache* cache = nullptr,
                                  Logits which = Logits::kLastPosition);
 

@@ -16,15 +16,19 @@ namespace {
 Checkpoint synthetic_model(const std::string& shape, std::int64_t memory_limit) {
   const std::vector<int> v = parse_int_list("--synthetic", shape, 1, 1 << 14);
   if (v.size() != 4) throw UsageError("--synthetic takes four numbers, DIM,LAYERS,HEADS,KV_HEADS (e.g. 2048,16,16,4)");
+  if (std::max({v[1], v[2], v[3]}) > 1024)  // a checkpoint's bounds (checkpoint.cpp), which the header is checked against
+    throw UsageError("--synthetic " + shape + ": LAYERS, HEADS and KV_HEADS go up to 1024");
   ModelConfig c{.dim = v[0], .hidden_dim = (8 * v[0] / 3 + 255) / 256 * 256, .n_layers = v[1], .n_heads = v[2],
                 .n_kv_heads = v[3], .vocab_size = kByteVocab, .seq_len = 1 << 16, .shared_classifier = true};
   if (c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0 || (c.dim / c.n_heads) % 2 != 0)
     throw UsageError("--synthetic " + shape + ": DIM must be a multiple of HEADS with an even quotient, and KV_HEADS must "
                      "divide HEADS");
-  // Refused before gigabytes are generated: the host's copy and the backend's alone exceed the limit.
-  if (2 * Model::weight_bytes(c) > memory_limit)
-    throw UsageError("--synthetic " + shape + ": its weights need " + format_bytes(double(Model::weight_bytes(c))) +
-                     " on the host and as much in the backend, more than --memory-limit " +
+  // Refused before gigabytes are generated: the host's copy (the checkpoint's bytes, llama2.c's legacy RoPE tables
+  // for 2^16 positions included) and the backend's weights alone exceed the limit.
+  const std::int64_t host = std::int64_t(checkpoint_bytes(c)), backend = Model::weight_bytes(c);
+  if (host + backend > memory_limit)
+    throw UsageError("--synthetic " + shape + ": its weights need " + format_bytes(double(host)) + " on the host and " +
+                     format_bytes(double(backend)) + " in the backend, more than --memory-limit " +
                      format_bytes(double(memory_limit)) + "; choose a smaller shape or raise --memory-limit");
   return Checkpoint::synthetic(c);
 }

@@ -1,6 +1,7 @@
 #include "worker_pool.h"
 
 #include <chrono>
+#include <utility>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -42,7 +43,11 @@ bool WorkerPool::claim_and_run(std::uint64_t job) {
     if (next >= tasks_.load(std::memory_order_relaxed)) return false;
     if (job_.compare_exchange_weak(seen, seen + 1, std::memory_order_acq_rel)) {
       // The job cannot end before this task finishes, so its call and context stay valid.
-      call_.load(std::memory_order_relaxed)(context_.load(std::memory_order_relaxed), next);
+      try {
+        call_.load(std::memory_order_relaxed)(context_.load(std::memory_order_relaxed), next);
+      } catch (...) {  // for the caller to rethrow; the count below publishes error_ to it
+        if (!failed_.exchange(true, std::memory_order_relaxed)) error_ = std::current_exception();
+      }
       finished_.fetch_add(1, std::memory_order_release);
       return true;
     }
@@ -65,6 +70,11 @@ void WorkerPool::run_erased(int tasks, Call call, void* context) {
   for (int spins = 0; finished_.load(std::memory_order_acquire) < tasks; ++spins) {
     if (spins < 4096) KVS_CPU_RELAX();
     else std::this_thread::yield();
+  }
+  if (failed_.load(std::memory_order_relaxed)) {  // every task has finished: nothing writes these now
+    std::exception_ptr error = std::exchange(error_, nullptr);
+    failed_.store(false, std::memory_order_relaxed);
+    std::rethrow_exception(error);
   }
 }
 

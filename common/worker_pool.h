@@ -13,6 +13,7 @@
 // are identical on 1 and 2 threads.
 #include <atomic>
 #include <cstdint>
+#include <exception>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -30,8 +31,11 @@ class WorkerPool {
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
 
   // Runs task(i) for every i in [0, tasks), each exactly once, and returns when all have finished.
-  // With one thread, or one task, they run in order on the caller. Allocates nothing. A task must not
-  // throw (check inputs before run()). Handing tasks to another core costs a round trip between cores
+  // With one thread, or one task, they run in order on the caller. Allocates nothing. Check inputs before
+  // run(); a task that throws anyway (std::bad_alloc from Eigen's packing buffers, out of memory) has its
+  // exception rethrown here, on the caller, once every task has finished or thrown, where an exception
+  // leaving a worker's thread would end the process (std::terminate) instead of giving the run's one line
+  // (run_main); with several, the first caught. Handing tasks to another core costs a round trip between cores
   // (~0.5 us on the 2-core VM this was measured on; ~1.2 us per run() in all): not worth it for a task of
   // a few microseconds - the caller decides, see CpuBackend.
   template <typename Task>
@@ -59,7 +63,9 @@ class WorkerPool {
   std::atomic<Call> call_{nullptr};        // job_ announces the job, read after a worker sees it
   std::atomic<void*> context_{nullptr};
   std::atomic<int> sleeping_{0};           // workers blocked in job_.wait(): the caller must notify
-  alignas(64) std::atomic<int> finished_{0};  // tasks of the current job that have returned
+  alignas(64) std::atomic<int> finished_{0};  // tasks of the current job that have returned or thrown
+  std::atomic<bool> failed_{false};           // a task of the current job threw: error_ holds its exception
+  std::exception_ptr error_;                  // written by the task that set failed_, before it counts finished_
   alignas(64) std::atomic<bool> stop_{false};
   std::vector<std::thread> workers_;
 };

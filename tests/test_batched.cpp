@@ -221,7 +221,7 @@ TEST_CASE("batched attention: each sequence gets the bits of its attention alone
 // launches of up to 64 parts), blocks of 3 rows shuffled, one sequence writing a prefill chunk of 5 positions across
 // a block boundary, one writing nothing (n = 0), rows no part covers, every format of chapter 10. Rows nobody
 // writes keep their bytes. The CPU runs the definition itself (it has no batched write of its own): there only
-// the expected float rows can fail.
+// the rows expected, coded by the test, can fail.
 TEST_CASE("batched cache write: a batch's rows in one pool as each sequence's write alone, every format and backend") {
   const ModelConfig c{.dim = 128, .hidden_dim = 32, .n_layers = 1, .n_heads = 4, .n_kv_heads = 2, .vocab_size = 256,
                       .seq_len = 64};
@@ -276,16 +276,22 @@ TEST_CASE("batched cache write: a batch's rows in one pool as each sequence's wr
         backend.to_host(got.data(), reinterpret_cast<float*>(batched.side(0, kv).codes), side_floats);
         backend.to_host(expected.data(), reinterpret_cast<float*>(alone.side(0, kv).codes), side_floats);
         CHECK(std::memcmp(got.data(), expected.data(), side_floats * sizeof(float)) == 0);
-        if (format != KvFormat::kFp32) continue;
-        // Float rows: each written row is its source row, and nothing else changed.
+        // Each written row is its source row, coded here on the host (CodedRows::encode_group, the one coding,
+        // tested in test_kv_format.cpp) at the row this test finds for it, and nothing else changed. Independent of
+        // the definition's row arithmetic, so on the CPU, where the batched write is the definition, it can fail.
         const std::vector<float>& src = kv == 0 ? k : v;
         std::vector<float> want = start;
+        const CodedRows device_side = batched.side(0, kv);
+        CodedRows host_side = device_side;  // the same layout over `want`: codes, then scales
+        host_side.codes = reinterpret_cast<std::uint8_t*>(want.data());
+        host_side.scales = want.data() + (device_side.scales - reinterpret_cast<float*>(device_side.codes));
         for (int i = 0; i < sequences; ++i) {
           std::vector<int> blocks(blocks_needed(firsts[i] + counts[i], block_size));
           backend.to_host(blocks.data(), batched.table(i), blocks.size());
           for (int p = firsts[i], token = parts[i].offset; p < firsts[i] + counts[i]; ++p, ++token)
-            std::copy_n(src.begin() + std::size_t(token) * kv_dim, kv_dim,
-                        want.begin() + std::size_t(BlockTable{blocks.data(), block_size}.physical_row(p)) * kv_dim);
+            for (int g = 0; g < host_side.groups(); ++g)
+              host_side.encode_group(std::size_t(BlockTable{blocks.data(), block_size}.physical_row(p)), g,
+                                     src.data() + std::size_t(token) * kv_dim + std::size_t(g) * host_side.group);
         }
         CHECK(std::memcmp(got.data(), want.data(), side_floats * sizeof(float)) == 0);
       }

@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cstring>
 #include <random>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -40,6 +42,36 @@ TEST_CASE("worker pool: every task runs exactly once, for 0 to 70 tasks, on 1, 2
         for (int i = 0; i < 70; ++i) wrong += runs[i].load() != (i < tasks ? 1 : 0);
         CHECK(wrong == 0);
       }
+  }
+}
+
+// An exception leaving a worker's thread ends the process (std::terminate): an out-of-memory in a product's task
+// used to abort the run instead of giving its one line. The pool hands it to the caller, after every other task.
+TEST_CASE("worker pool: a task that throws has its exception rethrown on the caller, every other task still run once") {
+  for (int threads : {1, 2, 3}) {
+    CAPTURE(threads);
+    WorkerPool pool(threads);
+    std::vector<std::atomic<int>> runs(70);
+    for (int round = 0; round < 3; ++round) {
+      for (auto& r : runs) r = 0;
+      // Tasks 13 and 41 throw (either may be the one rethrown); the others count themselves.
+      CHECK_THROWS_WITH_AS(pool.run(70, [&](int i) {
+                             if (i == 13 || i == 41) throw std::runtime_error("task " + std::to_string(i));
+                             runs[i].fetch_add(1);
+                           }),
+                           doctest::Contains("task "), std::runtime_error);
+      // One thread: the tasks run in order on the caller, as a loop would, and stop at task 13.
+      auto ran = [&](int i) { return threads == 1 ? i < 13 : i != 13 && i != 41; };
+      int wrong = 0;
+      for (int i = 0; i < 70; ++i) wrong += runs[i].load() != (ran(i) ? 1 : 0);
+      CHECK(wrong == 0);
+      // The pool is whole again: the next job runs every task, and nothing is rethrown.
+      for (auto& r : runs) r = 0;
+      pool.run(70, [&](int i) { runs[i].fetch_add(1); });
+      wrong = 0;
+      for (int i = 0; i < 70; ++i) wrong += runs[i].load() != 1;
+      CHECK(wrong == 0);
+    }
   }
 }
 

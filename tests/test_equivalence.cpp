@@ -210,8 +210,8 @@ TEST_CASE("decode allocates nothing: no heap allocation in 50 decode steps, on 1
     // The counter does count: a vector allocates.
     const long probe = heap_allocations();
     std::vector<float> v(1000);
+    asm volatile("" : : "g"(v.data()) : "memory");  // the vector escapes: its allocation cannot be elided
     CHECK(heap_allocations() > probe);
-    CHECK(v.size() == 1000);
   }
 }
 

@@ -357,13 +357,14 @@ TEST_CASE("chapter 10: fp16 and bf16 caches keep fp32's greedy tokens on three p
                                              << "), worst logit difference up to it " << worst);
       CHECK(worst <= tolerance);
       if (first_mismatch < 0) continue;
-      // fp16 and bf16 keep every token. int8 may pick the other of two tokens whose fp32 logits are closer than its
-      // tolerance (a near-tie: the third prompt's step 8, gap 0.014): explained, and only there.
+      // fp16 and bf16 keep every token. int8 may pick the other of two tokens whose fp32 logits are closer than
+      // twice the largest difference it made (each of the two moved by at most that): a near-tie, measured at the
+      // third prompt's step 8 (gap 0.014, against differences up to 0.13). A wider gap is a real change.
       std::vector<float> top = fp32.logits[first_mismatch];
       std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<>());
       MESSAGE("fp32's two best logits at that step differ by " << top[0] - top[1]);
       CHECK(format == KvFormat::kInt8);
-      CHECK(top[0] - top[1] <= tolerance);
+      CHECK(top[0] - top[1] <= 2 * worst);
     }
     const auto [int4_mismatch, int4_worst] = compare(run(KvFormat::kInt4));
     MESSAGE("int4, groups of 32: first token that differs from fp32's: "
