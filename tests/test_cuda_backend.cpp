@@ -368,6 +368,14 @@ TEST_CASE("cuda kernels: RoPE tables and rotations equal the CPU backend and the
           b.rope(d_x.data(), d_cpu_table.data(), n, heads, head_dim);
           CHECK(worst_excess(test::from_backend(b, d_x), x, 1e-6f) <= 0);
         }
+    // A table of more (position, pair) threads than 4,096 blocks of 256 hold: a prefill of 16,385 positions with
+    // heads of 128 once left the rows past 16,383 unwritten (its grid was capped, as a grid-stride kernel's is).
+    const int n = 16385, head_dim = 128;
+    std::vector<float> table(std::size_t(n) * head_dim);
+    cpu.rope_table(table.data(), consecutive_positions(cpu, 0, n).data(), n, head_dim);
+    Buffer d_table(b, table.size());
+    b.rope_table(d_table.data(), consecutive_positions(b, 0, n).data(), n, head_dim);
+    CHECK(worst_excess(test::from_backend(b, d_table), table, 1e-6f) <= 0);
   });
 }
 
@@ -384,10 +392,16 @@ static void check_attention(Backend& b, std::mt19937& gen, const AttentionShape&
   const int stride = kv_dim + 3;  // rows further apart than their data: the stride is honoured
   const int dim = shape.n_heads * shape.head_dim;
   std::vector<float> keys = random_vector(std::size_t(rows) * stride, gen), values = random_vector(keys.size(), gen);
-  for (int r = 0; r < rows; ++r)
-    if (positions[r] < 0)
+  // A row that no query of the call may see holds NaN - an empty row, or one hidden by the window from every
+  // query: it must never be read, or must count for nothing (0 · NaN is NaN, so even a weight of 0 shows).
+  for (int r = 0; r < rows; ++r) {
+    const int key_pos = explicit_positions ? positions[r] : first_position + r;
+    bool seen = false;
+    for (int i = 0; i < n; ++i) seen = seen || key_visible(pos + i, key_pos, window);
+    if (!seen)
       for (int j = 0; j < stride; ++j)
         keys[std::size_t(r) * stride + j] = values[std::size_t(r) * stride + j] = std::numeric_limits<float>::quiet_NaN();
+  }
   const std::vector<float> q = random_vector(std::size_t(n) * dim, gen);
   const std::vector<float> table = rotate_at_read ? test::rope_table(window.size, shape.head_dim) : std::vector<float>{};
   const KvView host_view{.keys = keys.data(), .values = values.data(), .rows = rows, .row_stride = stride,

@@ -96,9 +96,9 @@ __global__ void rmsnorm_kernel(float* out, const float* x, const float* weight, 
 __global__ void rope_table_kernel(float* table, const int* positions, int n, int head_dim) {
   KVS_WAIT_FOR_PREVIOUS_KERNEL();
   const int pairs = head_dim / 2;
-  const int index = blockIdx.x * blockDim.x + threadIdx.x;
-  if (index >= n * pairs) return;
-  rope_cos_sin(positions[index / pairs], index % pairs, head_dim, table + std::size_t(index) * 2);
+  const long index = long(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (index >= long(n) * pairs) return;
+  rope_cos_sin(positions[index / pairs], int(index % pairs), head_dim, table + std::size_t(index) * 2);
 }
 
 // What a write_rows_kernel launch copies: src[side] into rows[side], side = blockIdx.y - one side (write_rows), or
@@ -191,11 +191,12 @@ __global__ void rope_kernel(float* x, const float* table, int n, int heads, int 
 //   attention_kernel: one block per (query, head) visits all the query's rows (prefill; an observed step);
 //   attention_decode_kernel: decoding, one query ("flash-decoding"). One query
 //     has only n_heads blocks' worth of work, too few to keep a GPU's memory busy (16 blocks on 132 SMs read
-//     K/V at 37 GB/s at 16k positions), so the rows are split into chunks, one block per (KV head, chunk);
-//     the block serves every query head that reads that KV head (GQA: each row read once, not once per
-//     query head), and each warp loads several rows before it uses any (a row at a time left each warp
-//     waiting out a memory latency per row). The last block of a KV head to finish merges the chunks'
-//     partial softmaxes (a second kernel did, in every version measured so far). Measured on an H100, book/07.
+//     K/V at 37 GB/s at 16k positions), so the rows are split into chunks, one block per (KV head, group of
+//     its query heads, chunk, sequence); the block serves up to 4 query heads that read that KV head (GQA:
+//     each row read once, not once per query head), and each warp loads several rows before it uses any (a
+//     row at a time left each warp waiting out a memory latency per row). The last block of a (KV head, group,
+//     sequence) to finish merges the chunks' partial softmaxes (a second kernel did until version 4). Measured
+//     on an H100, book/07.
 constexpr int kMaxAttentionWarps = 16;
 constexpr int kMaxHeadDim = 256;
 constexpr int kPerLane = kMaxHeadDim / kWarp;
@@ -349,7 +350,8 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
 // larger score arrives). Tiles no query of the block may see are never visited (the causal future; the
 // past before a window, where the view is one run of rows); within a tile key_visible decides each pair, the
 // one masking rule. A row no query of the block may see (an empty ring slot; a row past the last query,
-// unwritten) is never read: zeros stand in its place. Queries past n (the last block) see nothing.
+// unwritten; a row between the sinks and every query's window) is never read: zeros stand in its place. Queries
+// past n (the last block) see nothing.
 // Grid (n_heads, ceil(n / kTile)), block 16 · 16, dynamic shared memory attention_tiled_shared_bytes.
 constexpr int kTile = 64;
 constexpr int kTileSide = 16;                   // threads per side of the grid
@@ -403,7 +405,11 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
     for (int e = threadIdx.x; e < kTile * kHeadDim; e += blockDim.x) {
       const int j = e / kHeadDim, d = e % kHeadDim;
       const int key_pos = tile_positions[j];
-      const bool read = key_pos >= 0 && key_pos <= last_pos && d < head_dim;  // a row some query may see
+      // A row some query of the block may see. The queries that see a key form one run of positions from the
+      // key's own on, so the block's first query at or after it decides: the rows between the sinks and a
+      // window, read before, brought their bytes in as 0 · value, NaN where a value was not finite.
+      const bool read = key_pos >= 0 && key_pos <= last_pos && d < head_dim &&
+                        key_visible(key_pos > first_pos ? key_pos : first_pos, key_pos, kv.window);
       k_tile[j * kPadded + d] = read ? kv.key(tile + j, kv_offset + d) : 0.0f;  // stored or decoded (chapter 10)
       v_tile[j * kHeadDim + d] = read ? kv.value(tile + j, kv_offset + d) : 0.0f;
     }
@@ -1146,10 +1152,12 @@ class CudaBackend final : public Backend {
     return ++recordings_;
   }
   void end_recording() override {
-    cudaGraph_t graph = nullptr;
-    KVS_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    // The older graph goes first: a capture that fails to end (a launch inside it failed) must leave nothing that
+    // replay() would take for this recording.
     if (graph_) KVS_CUDA_CHECK(cudaGraphExecDestroy(graph_));
     graph_ = nullptr;
+    cudaGraph_t graph = nullptr;
+    KVS_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
     std::size_t nodes = 0;
     const cudaError_t counted = cudaGraphGetNodes(graph, nullptr, &nodes);
     recorded_launches_ = counted == cudaSuccess ? static_cast<int>(nodes) : 0;
@@ -1174,8 +1182,11 @@ class CudaBackend final : public Backend {
     KVS_LAUNCH(rmsnorm_kernel, dim3(n), dim3(kThreads), 0, queue_, out, x, weight, dim);
   }
   void rope_table(float* table, const int* positions, int n, int head_dim) override {
-    KVS_LAUNCH(rope_table_kernel, dim3(blocks_for(std::size_t(n) * head_dim / 2)), dim3(kThreads), 0, queue_, table,
-               positions, n, head_dim);
+    // A thread per (position, pair), not blocks_for's capped grid: the kernel has no stride loop, and a prefill of
+    // 16,385 positions with heads of 128 (over 4,096 blocks) left the table's later rows unwritten.
+    const std::size_t threads = std::size_t(n) * (head_dim / 2);
+    KVS_LAUNCH(rope_table_kernel, dim3(static_cast<unsigned>((threads + kThreads - 1) / kThreads)), dim3(kThreads), 0,
+               queue_, table, positions, n, head_dim);
   }
   void rope(float* x, const float* table, int n, int heads, int head_dim) override {
     const std::size_t threads = std::size_t(n) * heads * head_dim / 2;
