@@ -371,6 +371,8 @@ TEST_CASE("block pool: exhaustion is refused, a double free and a shared block a
     CHECK_THROWS_WITH(PagedSequence{pool}, doctest::Contains("every sequence slot"));
     check_block_ownership(pool, {&a, &b});
     CHECK_THROWS_WITH(check_block_ownership(pool, {&a, &a}), doctest::Contains("handed out twice"));
+    // A sequence the audit is not shown holds its blocks as a leak would: neither free nor held.
+    CHECK_THROWS_WITH(check_block_ownership(pool, {&b}), doctest::Contains("block 0 is neither free nor held"));
   }
   CHECK(pool.free_blocks() == 4);
   pool.break_double_free();
@@ -693,6 +695,30 @@ TEST_CASE("08_paged_batching --experiment throughput --synthetic: a chosen shape
   CHECK(test::run_command(bin + " --experiment throughput --synthetic 64,2,4,2 --model x.bin").exit_code == 2);
 }
 
+// A budget under the default --max-batch of 64, which the throughput experiment does not read, used to be refused
+// ("--batch-sizes up to 64 exceed --token-budget 32"); a list not starting at 1 printed its first size as "B=1"; a
+// batch with no step of every sequence decoding printed a row of zeros (NaN after it).
+TEST_CASE("08_paged_batching --experiment throughput: its own batch sizes against the budget, B=1 first, a step to time") {
+  const std::string bin = std::string(KVS_BIN_DIR) + "/08_paged_batching --model " + test::golden_path("mha.bin") +
+                          " --threads 1 --experiment throughput --token-budget 32";
+  const auto r = test::run_command(bin + " --batch-sizes 1,4 --prompt-lengths 8,8 --output-lengths 6,6 --rounds 1");
+  CAPTURE(r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("\n     4 ") != std::string::npos);
+  for (const auto& [flags, message] : std::vector<std::pair<std::string, std::string>>{
+           {" --batch-sizes 4,1", "start the list with 1"},
+           {" --batch-sizes 1,64", "--batch-sizes up to 64 exceed --token-budget 32"},
+           {" --batch-sizes 1,4 --prompt-lengths 64,64 --output-lengths 2,2", "no step of batch 4 had all 4 sequences decoding"},
+       }) {
+    CAPTURE(flags);
+    const auto bad = test::run_command(bin + flags);
+    CAPTURE(bad.err);
+    CHECK(bad.exit_code == 2);
+    CHECK(bad.err.find(message) != std::string::npos);
+    CHECK(bad.err.find("nan") == std::string::npos);
+  }
+}
+
 // --rounds: every batch size measured in each round, the sizes in turn; the table's p50 is the median of the rounds'
 // p50s, their range printed and written beside it (so the median lies within it); refused by the other experiments.
 TEST_CASE("08_paged_batching --experiment throughput --rounds: the median of the rounds, their range beside it") {
@@ -793,4 +819,14 @@ TEST_CASE("trace files: requests parsed, a malformed line named with its number"
   CHECK_THROWS_WITH(parse_trace("0 5\n", "t.txt"), doctest::Contains("the prompt is empty"));
   CHECK_THROWS_WITH(parse_trace("0 5 a\\x\n", "t.txt"), doctest::Contains("backslash"));
   CHECK_THROWS_WITH(parse_trace("# nothing\n", "t.txt"), doctest::Contains("holds no request"));
+  // A file written on Windows: each line's \r is its end, not a byte of the prompt (a blank line stays blank).
+  const std::vector<Request> crlf = parse_trace("0 3 And God\r\n\r\n1 2 In the\r\n", "t.txt");
+  REQUIRE(crlf.size() == 2);
+  CHECK(decode_bytes(crlf[0].prompt) == "And God");
+  CHECK(decode_bytes(crlf[1].prompt) == "In the");
+  // Drawn arrivals past a trace file's bound, 2^24 steps, are refused (past 2^31 they were undefined: a negative step).
+  const std::string text(4096, 'a');
+  CHECK_THROWS_WITH(generate_trace(text, TraceShape{.count = 3000, .prompt_min = 4, .prompt_max = 8, .output_min = 1,
+                                                    .output_max = 2, .mean_gap = 1e6, .seed = 1}),
+                    doctest::Contains("arrivals pass step 16777216"));
 }

@@ -132,7 +132,9 @@ int serve_trace(Setup& s) {
     std::printf("[request %zu] %s|%s\n", i, decode_on_one_line(s.requests[i].prompt).c_str(), decode_on_one_line(results[i].output).c_str());
 
   const auto ttft = collect(results, &RequestResult::time_to_first_token_ms);
-  const auto tpot = collect(results, &RequestResult::time_per_output_token_ms);
+  std::vector<double> tpot;  // of the requests with a token after their first: a 1-token request has no such time
+  for (const RequestResult& r : results)
+    if (r.output.size() > 1) tpot.push_back(r.time_per_output_token_ms());
   const auto latency = collect(results, &RequestResult::latency_ms);
   std::fprintf(stderr, "\n%d steps in %.0f ms: %ld tokens generated, %.0f tokens/s; %ld prompt tokens prefilled; up to %d "
                        "sequences in a step; %d preemptions (%ld tokens recomputed)\n", stats.steps, stats.wall_ms,
@@ -225,6 +227,10 @@ int throughput(Setup& s) {
       std::vector<RequestResult> results;
       serve(s.rt.model, pool, requests, options, results);  // warm-up
       const std::vector<double> ms = decode_step_ms(serve(s.rt.model, pool, requests, options, results), batch);
+      if (ms.empty())  // the last prompts' prefill ran past the first sequences' last tokens
+        throw UsageError("--experiment throughput: no step of batch " + std::to_string(batch) + " had all " +
+                         std::to_string(batch) + " sequences decoding; give them more new tokens (--output-lengths) "
+                         "or prefill them faster (a larger --token-budget)");
       measured[b].round_p50.push_back(percentile(ms, 50));
       measured[b].steps.insert(measured[b].steps.end(), ms.begin(), ms.end());
       progress.update(std::int64_t(round) * s.batch_sizes.size() + b + 1, std::int64_t(s.rounds) * s.batch_sizes.size());
@@ -299,7 +305,9 @@ int memory_waste(Setup& s) {
 
 int batching(Setup& s) {
   std::fprintf(stderr, "%zu requests arriving over %d steps, up to %d sequences a step, blocks of %d in %s\n",
-               s.requests.size(), s.requests.back().arrival_step, s.options.max_batch, s.block_size,
+               s.requests.size(),
+               std::ranges::max(s.requests, {}, &Request::arrival_step).arrival_step,  // a trace need not be in order
+               s.options.max_batch, s.block_size,
                format_bytes(double(s.kv_memory)).c_str());
   std::fprintf(stderr, "%11s %7s %10s %10s %12s %12s %10s %10s\n", "batching", "steps", "total", "tokens/s", "latency mean",
                "latency p99", "TTFT mean", "idle slots");

@@ -122,12 +122,15 @@ int main(int argc, char** argv) {
     shape.mean_gap = mean_gap, shape.seed = seed;
     const std::vector<int> batch_list = kvs::parse_int_list("--batch-sizes", batch_sizes, 1, 4096);
     const std::vector<int> block_list = kvs::parse_int_list("--block-sizes", block_sizes, 1, 1 << 16);
-    int largest_batch = max_batch;
-    if (experiment == "throughput")
-      for (int b : batch_list) largest_batch = std::max(largest_batch, b);
-    if (experiment == "throughput" && largest_batch > token_budget)
-      throw kvs::UsageError("--batch-sizes up to " + std::to_string(largest_batch) + " exceed --token-budget " +
-                            std::to_string(token_budget) + ": raise the budget");
+    if (experiment == "throughput") {  // its batches are --batch-sizes (--max-batch is refused there)
+      const int largest_batch = std::ranges::max(batch_list);
+      if (largest_batch > token_budget)
+        throw kvs::UsageError("--batch-sizes up to " + std::to_string(largest_batch) + " exceed --token-budget " +
+                              std::to_string(token_budget) + ": raise the budget");
+      if (batch_list.front() != 1)
+        throw kvs::UsageError("--batch-sizes " + batch_sizes + ": start the list with 1, the batch every other is "
+                              "compared with (the table's 'vs B=1')");
+    }
 
     // The model's calls carry up to token_budget tokens; a sequence's attention reads up to the whole context -
     // but a synthetic model's context is 65,536 positions, and its throughput runs read prompt + new tokens at

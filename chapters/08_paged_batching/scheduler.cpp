@@ -69,6 +69,10 @@ void check_block_ownership(const BlockPool& pool, const std::vector<const PagedS
   for (int block : pool.free_list()) hold(block, -1);
   for (std::size_t s = 0; s < sequences.size(); ++s)
     for (int block : sequences[s]->blocks()) hold(block, int(s));
+  for (int block = 0; block < pool.blocks(); ++block)
+    if (holders[block] == 0)
+      throw std::logic_error("block " + std::to_string(block) + " is neither free nor held by a running sequence: it "
+                             "leaked, and the pool has one block less for good");
 }
 
 std::vector<int> serve_alone(Model& model, const Request& request, PoolFormat format, int block_size,

@@ -52,8 +52,9 @@ struct SchedulerOptions {
   bool audit_blocks = true;
 };
 
-// Throws std::logic_error naming the block when a block is free twice, free and held, or held by two
-// sequences (or twice by one): what a double free or a stale block table looks like from the pool.
+// Throws std::logic_error naming the block when a block is neither free nor held (leaked), or free twice, free and
+// held, or held by two sequences (or twice by one): what a leak, a double free or a stale block table looks like
+// from the pool.
 // `holders`: scratch, resized to the pool's blocks (a scheduler passes the same one every step).
 void check_block_ownership(const BlockPool& pool, const std::vector<const PagedSequence*>& sequences,
                            std::vector<int>& holders);
@@ -107,7 +108,7 @@ struct RequestResult {
   int cached_prompt_tokens = 0;  // prompt tokens found in the cache when it was first admitted (chapter 09)
   double time_to_first_token_ms() const { return first_token_ms - arrival_ms; }
   double latency_ms() const { return finish_ms - arrival_ms; }
-  // Time per output token after the first.
+  // Time per output token after the first (0 for a 1-token request: none came after its first).
   double time_per_output_token_ms() const {
     return output.size() > 1 ? (finish_ms - first_token_ms) / double(output.size() - 1) : 0.0;
   }

@@ -4,19 +4,25 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "cli.h"
 #include "tokenizer.h"
 
 namespace kvs::ch08 {
+namespace {
+constexpr int kMaxArrivalStep = 1 << 24;  // a request arriving later than 16.7M steps in is a mistake
+}  // namespace
 
 const char* const kTraceFormat =
     "one request a line, \"ARRIVAL_STEP MAX_NEW_TOKENS PROMPT\": the prompt is the rest of the line after one\n"
-    "space (\\n in it is a newline, \\\\ a backslash); empty lines and lines starting with # are skipped";
+    "space (\\n in it is a newline, \\\\ a backslash); empty lines and lines starting with # are skipped; a line\n"
+    "may end in \\r\\n (a file written on Windows)";
 
 std::vector<Request> parse_trace(const std::string& text, const std::string& name) {
   std::vector<Request> requests;
   std::istringstream lines(text);
   std::string line;
   for (int number = 1; std::getline(lines, line); ++number) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();  // CRLF: the \r is the line's end, not the prompt's
     if (line.empty() || line[0] == '#') continue;
     auto fail = [&](const std::string& what) {
       return std::runtime_error(name + ":" + std::to_string(number) + ": " + what + "; expected " +
@@ -33,7 +39,7 @@ std::vector<Request> parse_trace(const std::string& text, const std::string& nam
       return static_cast<int>(std::stol(field));
     };
     Request r;
-    r.arrival_step = number_field("ARRIVAL_STEP", 1 << 24);
+    r.arrival_step = number_field("ARRIVAL_STEP", kMaxArrivalStep);
     r.max_new_tokens = number_field("MAX_NEW_TOKENS", 1 << 20);
     if (r.max_new_tokens < 1) throw fail("MAX_NEW_TOKENS must be at least 1");
     std::string prompt;
@@ -71,6 +77,12 @@ std::vector<Request> generate_trace(const std::string& text, const TraceShape& s
     r.prompt = encode_bytes(std::string_view(text).substr(offset(random), length));
     r.max_new_tokens = output_length(random);
     if (shape.mean_gap > 0 && i > 0) arrival += gap(random);
+    if (arrival > kMaxArrivalStep) {  // a trace file's bound too; past INT_MAX the conversion is undefined
+      std::ostringstream why;
+      why << "--mean-gap " << shape.mean_gap << " over " << shape.count << " requests: arrivals pass step "
+          << kMaxArrivalStep << "; give a shorter gap or fewer requests";
+      throw UsageError(why.str());
+    }
     r.arrival_step = static_cast<int>(arrival);
     requests.push_back(std::move(r));
   }

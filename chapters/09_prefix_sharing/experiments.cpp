@@ -216,8 +216,21 @@ std::int64_t largest_pool_bytes(const Setup& s, const std::string& experiment) {
   return std::int64_t(experiment == "sampling" ? largest : s.samples) * per_sample * block_bytes(s);
 }
 
+void check_prefix(const Setup& s) {
+  // Request i's question: question_length bytes from byte 100,000 + 1,499 i of the held-out text.
+  const std::size_t largest = std::size_t(std::ranges::max(s.counts));
+  if (100000 + 1499 * (largest - 1) + s.question_length > s.text.size())
+    throw UsageError("--counts up to " + std::to_string(largest) + " with --question-length " +
+                     std::to_string(s.question_length) + ": request i's question starts at byte 100,000 + 1,499 i of the "
+                     "held-out text, which has " + std::to_string(s.text.size()) + " bytes; give fewer requests or "
+                     "shorter questions");
+}
+
 void check_mixed(const Setup& s) {
   const int longest = 576 + 64 + 64;  // a request of its own: the longest prompt and output
+  if (longest > s.rt.model.config().seq_len)
+    throw UsageError("--experiment mixed: its longest request takes " + std::to_string(longest) +
+                     " positions, past the model's context of " + std::to_string(s.rt.model.config().seq_len));
   if (s.kv_memory < blocks_needed(longest, s.block_size) * block_bytes(s))
     throw UsageError("--kv-memory " + format_bytes(double(s.kv_memory)) + " is too small for the mixed trace's longest "
                      "request (" + std::to_string(longest) + " positions): give it at least " +
@@ -255,7 +268,8 @@ int mixed_trace(Setup& s) {
                 "ttft_ms_mean,identical_alone", s.rt.inputs());
   std::vector<std::vector<int>> expected;
   for (const ch08::Request& r : requests) expected.push_back(ch08::serve_alone(s.rt.model, r));
-  const ch08::SchedulerOptions options{.max_batch = 64, .token_budget = s.token_budget};
+  // Up to 64 sequences a step, as chapter 08's default; fewer where the budget has fewer tokens.
+  const ch08::SchedulerOptions options{.max_batch = std::min(64, s.token_budget), .token_budget = s.token_budget};
   int all_identical = 1;
   for (bool share : {false, true}) {
     PrefixCacheStats cache_stats;

@@ -31,7 +31,10 @@ int sampling_memory(Setup& s); // parallel sampling for N = 1 ... 64: memory sha
 int mixed_trace(Setup& s);     // shared and unshared prompts under a small pool, against chapter 08
 int break_copy_on_write(Setup& s);  // copy-on-write off: siblings write into the block they share
 
-// Before anything runs: UsageError when --kv-memory cannot hold the mixed trace's longest request.
+// Before anything runs: UsageError when the held-out text has no room for the largest N's questions.
+void check_prefix(const Setup& s);
+// Before anything runs: UsageError when the model's context or --kv-memory cannot hold the mixed trace's longest
+// request.
 void check_mixed(const Setup& s);
 // The most K/V memory `experiment` will hold at once (its largest pool), for the memory plan.
 std::int64_t largest_pool_bytes(const Setup& s, const std::string& experiment);

@@ -102,6 +102,7 @@ int main(int argc, char** argv) {
       throw kvs::UsageError("--prefix-length " + std::to_string(prefix_length) + " + --question-length " +
                             std::to_string(question_length) + " + --max-new-tokens " + std::to_string(options.max_new_tokens) +
                             " exceed the model's context of " + std::to_string(rt.model.config().seq_len) + " positions");
+    if (experiment == "prefix") kvs::ch09::check_prefix(setup);
     if (experiment == "mixed") kvs::ch09::check_mixed(setup);
     rt.plan_kv_cache(kvs::ch09::largest_pool_bytes(setup, experiment));  // pools one at a time: the largest
     std::cerr << rt.describe() << "\n";
