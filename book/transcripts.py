@@ -125,7 +125,7 @@ def scratch_folder(check):
     for name in ("build", "data", "tests", "common", "chapters"):
         (folder / name).symlink_to(ROOT / name)
     if check:
-        (folder / "plots" / "data").mkdir(parents=True)
+        (folder / "plots" / "data" / "gpu").mkdir(parents=True)  # book 07's GPU blocks write there
     else:
         (folder / "plots").symlink_to(ROOT / "plots")
     return folder
@@ -173,7 +173,8 @@ def process(path, cwd, check, gpu, gpu_only, only=None):
             continue  # --only: a block none of whose commands match stays as captured
         if (needs_gpu and not gpu) or (gpu_only and not needs_gpu):
             if needs_gpu and not gpu:
-                print(f"[{path.name}] a GPU transcript left as captured: nvidia-smi finds no GPU here", file=sys.stderr)
+                print(f"[{path.name}] a GPU transcript left as captured: no GPU here (nvidia-smi), or no CUDA build",
+                      file=sys.stderr)
             continue  # the block and its machine line stay as they are
         out.extend(lines[cursor:start])
         body = []
@@ -214,6 +215,10 @@ def main():
     cwd = scratch_folder(args.check)
     try:
         gpu = gpu_name()
+        if gpu and not (ROOT / "build" / "release" / "bin" / "libkvs_cuda.so").exists():
+            print(f"a GPU is here ({gpu}) but this build has no CUDA backend (nvcc was not found at configure): "
+                  "the GPU transcripts stay as captured", file=sys.stderr)
+            gpu = None
         failures = sum(process(path, cwd, args.check, gpu, args.gpu_only, args.only) for path in paths)
     finally:
         shutil.rmtree(cwd)

@@ -159,9 +159,9 @@ def passage(length, kind, words, corpus, rng):
 
 def with_repeated_passages(sequence, words, rng, kind="salad", repeats=None, corpus=None, spacing=128,
                            log_distance=False):
-    """Writes passages of 32-128 bytes of word salad (random words of the corpus) into `sequence`, each twice,
-    the second copy 40 bytes or more after the first (up to the sequence's length), one pair per `spacing`
-    bytes of sequence. Nothing but the
+    """Writes passages of 32-128 bytes (at most a third of the sequence) of word salad (random words of the corpus)
+    into `sequence`, each twice, the second copy 40 bytes or more after the first (up to the sequence's length),
+    one pair per `spacing` bytes of sequence. Nothing but the
     first occurrence predicts a salad's second one, so it rewards looking that up in the context (induction);
     a verse repeated verbatim would be half predictable from the language alone. A later pair may land on an
     earlier one: a little noise, no harm. Other kinds: see passage(); "mix" draws one for each pair.

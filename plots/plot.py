@@ -120,7 +120,6 @@ def main():
     breakdown_figure()
     if (DATA / "gpu").exists():
         gpu_figure()
-    print("wrote", ", ".join(p.name for p in sorted(HERE.glob("*.png"))))
 
 
 def window_figures():
@@ -235,12 +234,15 @@ def breakdown_figure():
     ax.plot(xs, [float(r["step_ms_mean"]) for r in rows], color="black", marker="o", ms=3, label="whole step (mean)")
     limit = [(int(r["weight_bytes"]) + int(r["kv_bytes"])) / (float(r["limit_gbs"]) * 1e9) * 1e3 for r in rows]
     ax.plot(xs, limit, color="tab:green", ls="--", label="reading the step's bytes at the measured bandwidth")
-    if len(rows) > 1:  # K/V bytes grow linearly with the context: where they equal the weights' bytes
+    if len(rows) > 1:  # K/V bytes grow linearly with the prompt: the prompt at which they equal the weights' bytes
+        # (a step at prompt p reads the K/V of p + steps / 2 positions, the breakdown's middle step: kv_bytes says so)
         (x0, k0), (x1, k1) = [(int(r["prompt_tokens"]), int(r["kv_bytes"])) for r in (rows[0], rows[-1])]
         per_position = (k1 - k0) / (x1 - x0)
-        cross = int(rows[0]["weight_bytes"]) / per_position
-        ax.axvline(cross, color="tab:red", lw=1, ls=":", label=f"K/V bytes = weight bytes ({cross:.0f} positions)")
-    finish(fig, ax, "context (positions)", "ms per decode step",
+        weights = int(rows[0]["weight_bytes"])
+        cross = x0 + (weights - k0) / per_position
+        ax.axvline(cross, color="tab:red", lw=1, ls=":",
+                   label=f"K/V bytes = weight bytes (a prompt of {cross:.0f}: {weights / per_position:.0f} positions read)")
+    finish(fig, ax, "prompt (positions)", "ms per decode step",
            f"Where a decode step's time goes ({rows[0]['threads']} thread(s))", "decode_breakdown.png", log=False,
            legend="upper left")
 
@@ -486,3 +488,4 @@ if __name__ == "__main__":
     batching_figures()
     sharing_figures()
     quantized_figures()
+    print("drew every figure: plots/*.png")  # only now: a figure that failed would have stopped the script

@@ -2,9 +2,9 @@
 # Rerun every experiment behind plots/data/*.csv (chapter 03's speed sweep and breakdown, then chapters 04-10's
 # experiments, on the shipped model and the copying model), overwriting those CSVs, and redraw every figure
 # (plots/*.png) from them. On 2 cores it took 9.4 minutes from a fresh clone (2026-11-26): 3.1 to build, 6.3 to
-# run; nothing else should run meanwhile, or the timings mean little. Arguments are added to every run
-# (for instance --memory-limit 4GiB): a flag that one of the binaries refuses, or that a run already sets,
-# stops the script there.
+# run; nothing else should run meanwhile, or the timings mean little. Arguments are added to every binary's run
+# (for instance --memory-limit 4GiB; not to busy_machine.sh, whose flags are its own): a flag that one of the
+# binaries refuses, or that a run already sets, stops the script there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 common/install-deps.sh build plots
@@ -40,6 +40,7 @@ ch05=build/release/bin/05_break_corrupt_key
 "$ch05" --contamination-csv plots/data/break_contamination.csv --csv plots/data/break_run.csv "$@" >/dev/null
 "$ch05" --experiment sweep --csv plots/data/break_sweep.csv --kl-csv plots/data/break_kl.csv "$@"
 ch06=build/release/bin/06_break_off_by_one
+"$ch06" --csv plots/data/off_by_one_run.csv "$@" >/dev/null
 "$ch06" --experiment probes --csv plots/data/off_by_one_probes.csv "$@"
 # Chapter 08: batches, blocks, continuous batching, preemption.
 ch08=build/release/bin/08_paged_batching

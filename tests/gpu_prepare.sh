@@ -5,6 +5,7 @@
 # .ab/base (a git archive of BASE_COMMIT). Both folders are ignored through .git/info/exclude, never committed.
 # Usage, from the repository root: bash tests/gpu_prepare.sh BASE_COMMIT
 set -euo pipefail
+cd "$(dirname "$0")/.."  # .deps and .ab belong at the repository root, where the device call runs
 base=${1:?usage: gpu_prepare.sh BASE_COMMIT (the commit to compare with, e.g. the last one measured on a GPU)}
 git rev-parse --verify --quiet "$base^{commit}" >/dev/null || { echo "gpu_prepare.sh: no commit $base" >&2; exit 2; }
 for path in /usr/include/eigen3 /usr/include/doctest /usr/share/eigen3/cmake /usr/lib/cmake/doctest; do
@@ -24,5 +25,6 @@ sed -i 's|set(_IMPORT_PREFIX "/usr")|get_filename_component(_IMPORT_PREFIX "${CM
   .deps/lib/cmake/doctest/doctestTargets.cmake
 git archive "$base" CMakeLists.txt CMakePresets.json common chapters tests | tar -x -C .ab/base
 echo "made .deps ($(du -sh .deps | cut -f1)) and .ab/base ($(git rev-parse --short "$base"), $(du -sh .ab/base | cut -f1))."
-echo "Now a device call: run(command='GPU_SESSION_ARCHIVE=\$OUT/s.tgz bash tests/gpu_session.sh /tmp/s .ab/base build,ab,test,chunks,profile,sanitize,transcripts,chapters', carry=['.deps', '.ab'], timeout_s=600)"
+echo "Now a device call, on an H100 (book 07's numbers are an H100's; another card's are not comparable):"
+echo "run(command='GPU_SESSION_ARCHIVE=\$OUT/s.tgz bash tests/gpu_session.sh /tmp/s .ab/base build,ab,test,chunks,profile,sanitize,transcripts,chapters', carry=['.deps', '.ab'], kind='nvidia-h100-x1', timeout_s=600)"
 echo "then, at once on the still-warm machine and only where device time is left, a second with the steps it did not reach (gpu_session.sh's header says why)"

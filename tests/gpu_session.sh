@@ -50,13 +50,26 @@ configure() {  # source dir, build dir
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 step_build() {
   start=$SECONDS
-  configure . build/release && cmake --build build/release -j "$jobs" >"$out/build.log" 2>&1 &
+  # Each build's own exit status: on a warm machine (a second call) the first call's binaries are still there, so
+  # a build that fails must stop the session rather than leave an older binary to be measured as this one.
+  (configure . build/release && cmake --build build/release -j "$jobs" >"$out/build.log" 2>&1) &
+  local release_pid=$! base_pid="" release_status base_status=0
   if [[ -n $base ]]; then
     (configure "$base" build/base && cmake --build build/base -j "$jobs" --target 03_benchmark kvs_cuda >"$out/build_base.log" 2>&1) &
+    base_pid=$!
   fi
-  wait
-  echo "builds: $((SECONDS - start)) s"; tail -3 "$out/build.log"
-  [[ -x build/release/bin/03_benchmark ]] || { echo "build failed"; tail -30 "$out/build.log"; step_done build; exit 1; }
+  wait "$release_pid"; release_status=$?
+  [[ -n $base_pid ]] && { wait "$base_pid"; base_status=$?; }
+  echo "builds: $((SECONDS - start)) s; this tree: exit $release_status${base_pid:+, base: exit $base_status}"
+  if [[ $release_status != 0 ]]; then
+    echo "build failed"; tail -30 "$out/build.log" 2>/dev/null || tail -30 "$out/configure_release.log"
+    step_done build; exit 1
+  fi
+  if [[ $base_status != 0 ]]; then  # the A/B then runs this build alone, and says so
+    echo "the base build failed: no A/B this call"; tail -10 "$out/build_base.log" 2>/dev/null || tail -10 "$out/configure_base.log"
+    rm -f build/base/bin/03_benchmark
+  fi
+  tail -3 "$out/build.log"
   step_done build
 }
 step_ab() {
@@ -198,6 +211,12 @@ step_chapters() {
   step_done chapters
 }
 step_transcripts() {
+  # Book 07's GPU transcripts and their CSVs are named for the H100 they were captured on: another card's numbers
+  # would land under that name.
+  if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "H100"; then
+    echo "transcripts: skipped, this GPU is not an H100 (book 07's GPU transcripts and CSVs are the H100's)"
+    step_done transcripts; return
+  fi
   python3 book/transcripts.py --gpu-only book/07_the_same_cache_on_a_gpu.md >"$out/transcripts.log" 2>&1
   echo "transcripts: exit $?"; tail -5 "$out/transcripts.log"; cp book/07_the_same_cache_on_a_gpu.md "$out/"
   cp -r plots/data/gpu "$out/plots_data_gpu"

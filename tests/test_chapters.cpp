@@ -193,6 +193,20 @@ TEST_CASE("chapter 04: a ring of window + chunk - 1 slots, past the trained cont
   CAPTURE(ppl.err);
   CHECK(ppl.exit_code == 0);
   CHECK(count_lines(dir.file("ppl.csv")) == 1 + 3);  // header; full; 8 without and with 4 sinks
+  // --sinks 0: the column without sinks is measured (it once printed "-" in both columns and wrote no row).
+  const auto no_sinks = run_command(ch04 + " --experiment perplexity --windows 8 --sinks 0 --max-bytes 300 --context 96 "
+                                           "--csv " + dir.file("ppl0.csv"));
+  CHECK(no_sinks.exit_code == 0);
+  CHECK(count_lines(dir.file("ppl0.csv")) == 1 + 1);
+  // --sinks is checked against the windows an experiment runs: recall's --windows, not the --window it refuses.
+  const auto sinks_recall = run_command(ch04 + " --experiment recall --sinks 8 --windows 8 --distances 98");
+  CHECK(sinks_recall.exit_code == 2);
+  CHECK(sinks_recall.err.find("--sinks 8 must be smaller than every window of --windows; 8 is not") != std::string::npos);
+  // memory's full cache stops at the context: a prompt that fills it leaves nothing to time (it once died inside).
+  const auto full_prompt = run_command(ch04 + " --experiment memory --window 8 --chunk 4 --positions within-window "
+                                              "--prompt-file " + prompt_dir.file("prompt.txt"));
+  CHECK(full_prompt.exit_code == 2);
+  CHECK(full_prompt.err.find("needs a prompt shorter than the model's context of 96 positions") != std::string::npos);
   const auto memory = run_command(ch04 + " --experiment memory --window 8 --chunk 4 --max-new-tokens 300 "
                                          "--positions within-window --csv " + dir.file("memory.csv"));
   CAPTURE(memory.err);
@@ -451,6 +465,13 @@ TEST_CASE("03_benchmark --context-wall: caches grow until --memory-limit refuses
     CAPTURE(flag);
     CHECK(run_command(bench + " " + flag).exit_code == 2);
   }
+  // --synthetic's generated weights on the host count against --memory-limit, in the prediction too: it once left
+  // them out, predicted 51,001 positions where 46,304 fit, and blamed memory it could not see.
+  const auto synthetic = run_command(binary("03_benchmark") + " --synthetic 64,2,4,4 --threads 1 --context-wall "
+                                                                "--memory-limit 64MiB");
+  CAPTURE(synthetic.err);
+  CHECK(synthetic.exit_code == 0);
+  CHECK(synthetic.err.find("between the longest that fit and the shortest refused, as the formula says") != std::string::npos);
 }
 
 TEST_CASE("chapters on a GPU: --backend cuda prints the text --backend cpu prints") {

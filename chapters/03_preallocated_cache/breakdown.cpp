@@ -50,7 +50,8 @@ double measure_read_gbs(std::int64_t bytes, int threads) {
   const std::int64_t n = std::max<std::int64_t>(bytes / 4, 1024);
   std::vector<float> data(n, 1.0f);
   threads = std::max(1, threads);
-  // Enough passes for ~2 ms per timing, so that the clock's resolution does not matter.
+  // Enough passes to read about 2 MB per timing (a larger buffer: one pass), well above the clock's resolution; the
+  // best of six timings is kept.
   const int passes = static_cast<int>(std::clamp<std::int64_t>(std::int64_t(500'000'000) / (n * 4) / 250, 1, 100000));
   double best = 0;
   volatile double sink = 0;  // the sums are stored, so the reads cannot be optimised away

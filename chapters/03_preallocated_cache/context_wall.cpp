@@ -54,7 +54,9 @@ Attempt try_cache(Runtime& rt, int positions) {
 void measure_context_wall(Runtime& rt, CsvWriter& csv) {
   const ModelConfig& c = rt.model.config();
   const std::int64_t per_position = kv_cache_bytes(c, 1);
-  const std::int64_t before = rt.memory.weights + rt.memory.working;  // what the model holds already
+  // What the model holds already: its weights and buffers, and --synthetic's generated copy on the host, which
+  // --memory-limit counts too (MemoryPlan::total).
+  const std::int64_t before = rt.memory.weights + rt.memory.working + rt.memory.host_weights;
   const std::int64_t free_bytes = rt.backend.free_memory_bytes();
   // The formula's walls: the budget left after the model, and (on a GPU) the free device memory.
   const std::int64_t budget_wall = std::max<std::int64_t>(0, rt.memory_limit - before) / per_position;

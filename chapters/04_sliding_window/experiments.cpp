@@ -96,8 +96,9 @@ void perplexity_vs_window(const Lab& lab, const std::vector<int>& windows, int s
                (std::to_string(sinks) + " sinks").c_str());
   for (int size : windows) {
     std::fprintf(stderr, "  %-8s", window_name(size).c_str());
-    for (int s : {0, sinks}) {
-      if ((s > 0 && (size == 0 || s >= size)) || (s == sinks && sinks == 0)) {  // no such configuration
+    for (int column = 0; column < 2; ++column) {  // no sinks, then --sinks
+      const int s = column == 0 ? 0 : sinks;
+      if (column == 1 && (sinks == 0 || size == 0 || s >= size)) {  // no such configuration (or the first column's)
         std::fprintf(stderr, " %14s", "-");
         continue;
       }
@@ -413,7 +414,7 @@ void stream_past_context(const Lab& lab, Window window, int stream_bytes, CsvWri
   teacher_forced(lab, *full, std::span<const int>(tokens).subspan(0, std::min(n, c.seq_len)));
   lab.rt.model.observe_attention(nullptr);
   std::fprintf(stderr, "\nattention on the first %d positions, full cache, queries at positions %d..%d (mean over heads):\n"
-                       "  %-6s %10s %14s %8s\n", first, c.seq_len / 4, std::min(n, c.seq_len) - 1, "layer", "weight",
+                       "  %-6s %10s %14s %8s\n", first, c.seq_len / 4, std::min(n, c.seq_len) - 2, "layer", "weight",
                "even spread", "ratio");
   for (int l = 0; l < c.n_layers; ++l) {
     const double w = observer.weight[l] / observer.queries[l], even = observer.uniform[l] / observer.queries[l];

@@ -126,7 +126,7 @@ int main(int argc, char** argv) {
     const int seq_len = kvs::Checkpoint(kvs::resolve_model_path(options)).config().seq_len;
     if (!parser.given("--window")) window = std::min(window, seq_len);  // a small model's context may be shorter
     if (!parser.given("--sinks") && (experiment == "perplexity" || experiment == "stream")) sinks = std::min(4, window - 1);
-    if (sinks >= window)
+    if ((experiment == "generate" || experiment == "stream" || experiment == "memory") && sinks >= window)
       throw kvs::UsageError("--sinks " + std::to_string(sinks) + " must be smaller than --window " + std::to_string(window));
     if (chunk > seq_len) throw kvs::UsageError("--chunk " + std::to_string(chunk) + " exceeds the model's context of " + std::to_string(seq_len));
     if (window > seq_len)
@@ -148,6 +148,13 @@ int main(int argc, char** argv) {
                                                                     : "";
     const std::vector<int> windows =
         default_windows.empty() ? std::vector<int>{} : parse_windows(parser.given("--windows") ? windows_text : default_windows, seq_len);
+    // Recall, fluency and samples keep the sinks in every window they run (perplexity compares without and with
+    // them, its table showing "-" where a window is too small to hold them).
+    if (experiment == "recall" || experiment == "fluency" || experiment == "samples")
+      for (int w : windows)
+        if (w > 0 && sinks >= w)
+          throw kvs::UsageError("--sinks " + std::to_string(sinks) + " must be smaller than every window of --windows; " +
+                                std::to_string(w) + " is not");
     // The recall probe's text is a 96-byte passage, a newline, unrelated text, a newline, the passage again.
     const std::vector<int> distances = kvs::parse_int_list("--distances", distances_text, 98, 1 << 20);
     const int longest_distance = std::ranges::max(distances);
@@ -194,6 +201,10 @@ int main(int argc, char** argv) {
                             "the held-out text's second half; give distances of at most " + std::to_string(lab.held_out.size() / 2));
     if (experiment == "generate" || experiment == "memory" || experiment == "samples") check_fits(options.max_new_tokens);
     if (experiment == "fluency") check_fits(1024 + options.max_new_tokens);  // its prompts are 1024 bytes
+    if (experiment == "memory" && prompt_tokens >= seq_len)  // its full cache stops at the context: nothing left to time
+      throw kvs::UsageError("--experiment memory compares the window with a full cache, which needs a prompt shorter than "
+                            "the model's context of " + std::to_string(seq_len) + " positions; this one has " +
+                            std::to_string(prompt_tokens) + " tokens");
     // The largest cache an experiment holds at once: a ring, or a full cache.
     rt.plan_kv_cache(kvs::kv_cache_bytes(c, kv_rows));
     std::cerr << rt.describe() << "\n";

@@ -112,7 +112,8 @@ void probes(kvs::Runtime& rt, const std::string& held_out, int shift, int prompt
   }
   std::fprintf(stderr, "%d prompts of %d-%d held-out bytes, one greedy run of %d tokens each through the correct and the "
                        "off-by-one (%+d) cache; a probe of n tokens passes if the equivalence check passes its first n "
-                       "steps\n", prompts, std::min(16, max_prompt_bytes), max_prompt_bytes, longest, shift);
+                       "steps\n", prompts, std::min(16, max_prompt_bytes),
+               std::min(16 << std::min(prompts - 1, 4), max_prompt_bytes), longest, shift);  // the longest prompt made
   std::vector<int> token_passes(lengths.size()), full_passes(lengths.size());
   kvs::Progress progress("probes", "prompts");
   for (int k = 0; k < prompts; ++k) {
