@@ -100,7 +100,7 @@ TEST_CASE("chapter 02: the three growth policies reproduce naive generation and 
   CHECK(matches == 3);
 }
 
-TEST_CASE("chapter 02: one new token has no decode step, and the table says so instead of printing 0 ms") {
+TEST_CASE("chapter 02: one new token has no decode step, and the table says so instead of printing 0 ms; none is refused") {
   const auto r = run_command(binary("02_dynamic_cache") + " --model " + golden_path("mha.bin") +
                              " --prompt 'abc' --max-new-tokens 1 --threads 1");
   CAPTURE(r.err);
@@ -110,6 +110,11 @@ TEST_CASE("chapter 02: one new token has no decode step, and the table says so i
   REQUIRE(row != std::string::npos);
   const std::string line = r.err.substr(row + 1, r.err.find('\n', row + 1) - row - 1);
   CHECK(line.find("        -        -") != std::string::npos);  // the p50 and p99 cells
+  // None: nothing would be generated, so no policy would grow (it printed a table of zeros, "= naive").
+  const auto none = run_command(binary("02_dynamic_cache") + " --model " + golden_path("mha.bin") +
+                                " --max-new-tokens 0 --threads 1");
+  CHECK(none.exit_code == 2);
+  CHECK(none.err.find("--max-new-tokens: at least 1") != std::string::npos);
 }
 
 TEST_CASE("chapter 03: the cache is exactly the formula, decode allocates nothing, chunked prefill agrees") {
@@ -172,6 +177,7 @@ TEST_CASE("chapter 04: a ring of window + chunk - 1 slots, past the trained cont
   CHECK(bad_window.err.find("--windows: 'x' is not 'full' or a window of 1..96 keys") != std::string::npos);
   CHECK(run_command(ch04 + " --experiment everything").exit_code == 2);
   CHECK(run_command(ch04 + " --window 4 --sinks 4").exit_code == 2);
+  CHECK(run_command(ch04 + " --window 8 --max-new-tokens 0").exit_code == 2);  // "0 positions went through a ring"
   CHECK(run_command(ch04 + " --window 97").exit_code == 2);
   // A full cache past the model's context (96 here) is refused, not evaluated at untrained positions.
   const auto recall_too_long = run_command(ch04 + " --experiment recall --windows full,32");

@@ -116,6 +116,12 @@ int main(int argc, char** argv) {
        {"--max-bytes", {"perplexity"}},
        {"--context", {"perplexity"}},
        {"--stream-bytes", {"stream"}}});
+  parser.add_check([&] {  // with none, nothing goes through the window (generation stops before the prefill)
+    if (options.max_new_tokens >= 1 || experiment == "perplexity" || experiment == "recall" || experiment == "induction" ||
+        experiment == "stream")
+      return std::string();
+    return std::string("--max-new-tokens: at least 1 (what the window does shows as tokens go through it)");
+  });
   parser.parse(argc, argv);
 
   return kvs::run_main(parser, [&] {
