@@ -464,4 +464,11 @@ TEST_CASE("memory: a huge trained context does not make a short run allocate for
   const auto limited = run_command(binary("01_naive_generation") + small_model() + " --max-new-tokens 3 --memory-limit 1KiB");
   CHECK(limited.exit_code == 2);
   CHECK(limited.err.find("more than --memory-limit 1 KiB") != std::string::npos);
+  // Chapter 04's recall distances on a context this long: the filler between the copies is cut from the held-out
+  // text's second half, and a distance it has no room for is refused (up to half the text passed, and the last
+  // passages' fillers, cut short, put their repeats nearer than the distance said).
+  const auto far = run_command(binary("04_sliding_window") + " --model " + model + " --threads 1 --experiment induction "
+                                                                                    "--distances 50000");
+  CHECK(far.exit_code == 2);
+  CHECK(far.err.find("--distances 50000: the filler between the copies") != std::string::npos);
 }

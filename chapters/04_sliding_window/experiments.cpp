@@ -149,16 +149,24 @@ std::vector<std::string> word_salads(const std::string& text, int count, std::si
 // The recall probe's text: a passage (96 bytes) + "\n" + unrelated text + "\n" + the passage again, so
 // that each byte of the repeat sits `distance` bytes after its first occurrence (96 + 1 + filler + 1).
 // The unrelated text comes from the other half of the held-out text, a different stretch for each k.
+std::size_t filler_start(const std::string& held_out, std::size_t k) {
+  return line_start(held_out, (held_out.size() / 2 + k * 9973) % held_out.size());
+}
 std::vector<int> repeat_text(const Lab& lab, const std::string& first, const std::string& passage, std::size_t k,
                              int distance) {
   const int filler = distance - static_cast<int>(passage.size()) - 2;
-  const std::size_t from = line_start(lab.held_out, (lab.held_out.size() / 2 + k * 9973) % lab.held_out.size());
-  return encode_bytes(first + "\n" + lab.held_out.substr(from, filler) + "\n" + passage);
+  return encode_bytes(first + "\n" + lab.held_out.substr(filler_start(lab.held_out, k), filler) + "\n" + passage);
 }
 
 constexpr int kPassage = 96, kCue = 32, kPassages = 8;
 
 }  // namespace
+
+int longest_recall_distance(const std::string& held_out) {
+  std::size_t room = held_out.size();  // the filler's bytes: what is left of the held-out text after its start
+  for (int k = 0; k < kPassages; ++k) room = std::min(room, held_out.size() - filler_start(held_out, k));
+  return static_cast<int>(std::min<std::size_t>(room + kPassage + 2, 1 << 30));
+}
 
 void recall_vs_window(const Lab& lab, const std::vector<int>& windows, int sinks, const std::vector<int>& distances,
                       CsvWriter& csv) {

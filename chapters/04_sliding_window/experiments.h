@@ -38,6 +38,10 @@ void recall_vs_window(const Lab& lab, const std::vector<int>& windows, int sinks
 // The mechanism behind recall: per layer and head, the attention from a repeated passage's bytes onto the
 // byte after their earlier occurrence (an induction head), and a text heat map of the strongest such head.
 void induction_heads(const Lab& lab, int distance, CsvWriter& csv);
+// The longest distance recall and induction can set between a passage and its repeat: the filler between them is
+// cut from the held-out text, each passage's from its own place in the second half, and must not run past its end
+// (a shorter filler would put the repeat nearer than the distance says).
+int longest_recall_distance(const std::string& held_out);
 void topic_and_fluency(const Lab& lab, const std::vector<int>& windows, int sinks, int new_tokens, CsvWriter& csv);
 // 3. Past the trained context: bits per byte over a long stream, window without and with sinks, and the
 // attention the first positions receive, per layer.

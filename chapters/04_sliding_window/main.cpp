@@ -202,9 +202,11 @@ int main(int argc, char** argv) {
                              experiment == "generate" ? std::string()
                                                       : kvs::read_input_file("the held-out text",
                                                                              kvs::find_data_file("kjv/valid.txt"), 1u << 30)};
-    if ((experiment == "recall" || experiment == "induction") && std::size_t(longest_distance) > lab.held_out.size() / 2)
+    if ((experiment == "recall" || experiment == "induction") &&
+        longest_distance > kvs::ch04::longest_recall_distance(lab.held_out))
       throw kvs::UsageError("--distances " + std::to_string(longest_distance) + ": the filler between the copies comes from "
-                            "the held-out text's second half; give distances of at most " + std::to_string(lab.held_out.size() / 2));
+                            "the held-out text's second half, each passage's from its own place; give distances of at "
+                            "most " + std::to_string(kvs::ch04::longest_recall_distance(lab.held_out)));
     if (experiment == "generate" || experiment == "memory" || experiment == "samples") check_fits(options.max_new_tokens);
     if (experiment == "fluency") check_fits(1024 + options.max_new_tokens);  // its prompts are 1024 bytes
     if (experiment == "memory" && prompt_tokens >= seq_len)  // its full cache stops at the context: nothing left to time
