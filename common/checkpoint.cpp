@@ -109,7 +109,8 @@ Checkpoint::Checkpoint(const std::string& path) : path_(path) {
   if (const ssize_t got = ::pread(fd, header, sizeof header, 0); got != static_cast<ssize_t>(sizeof header)) {
     const int error = errno;
     ::close(fd);
-    fail(path, std::string("cannot read the header: ") + (got < 0 ? std::strerror(error) : "the file shrank while it was opened"));
+    fail(path, std::string("cannot read the header: ") +
+                   (got < 0 ? std::strerror(error) : "the file shrank while it was opened"));
   }
   try {
     config_ = validate_header(header, path);

@@ -54,8 +54,8 @@ int main(int argc, char** argv) {
   kvs::add_common_flags(parser, options, '"' + std::string(kDefaultPrompt) + '"');
   parser.add_switch("--skip-naive", "do not run chapter 01's naive generation to compare the tokens", &skip_naive);
   parser.add_check([&] {  // with none, no policy allocates, copies or times anything: a table of zeros
-    return options.max_new_tokens >= 1 ? std::string()
-                                       : std::string("--max-new-tokens: at least 1 (the policies grow as tokens are generated)");
+    if (options.max_new_tokens >= 1) return std::string();
+    return std::string("--max-new-tokens: at least 1 (the policies grow as tokens are generated)");
   });
   parser.parse(argc, argv);
 
