@@ -14,6 +14,7 @@ namespace kvs {
 namespace {
 
 constexpr std::uint64_t kTaskMask = 0xffffffffu;
+constexpr std::uint64_t kClosed = 0x7fffffff;  // a closed job's next task: past any task count (an int)
 std::uint64_t job_number(std::uint64_t job) { return job >> 32; }
 
 // How long an idle worker keeps polling for the next job before it sleeps. A decode step runs ~40 parallel
@@ -55,12 +56,19 @@ bool WorkerPool::claim_and_run(std::uint64_t job) {
 }
 
 void WorkerPool::run_erased(int tasks, Call call, void* context) {
-  // The previous job has finished (run() returns only then), so no worker touches these until job_ changes.
+  // First the previous job is closed: a new number whose next task is past any count. Every task of it has
+  // finished (run() returns only then), but a worker may still be in claim_and_run for it, between reading job_
+  // (all its tasks claimed) and its exchange: had tasks_ grown before job_ changed, it took the new count for the
+  // old job's and claimed a task past the old job's end, run with either job's function and counted into the new
+  // job's finished tasks, so that run() could return while it ran (a test saw it in 9 runs of 40). Closed, its
+  // exchange fails. Then the fields, which no worker reads until the job that opens below.
+  const std::uint64_t closed = (((job_.load() >> 32) + 1) << 32) | kClosed;
+  job_.store(closed);
   tasks_.store(tasks, std::memory_order_relaxed);
   call_.store(call, std::memory_order_relaxed);
   context_.store(context, std::memory_order_relaxed);
   finished_.store(0, std::memory_order_relaxed);
-  const std::uint64_t job = ((job_.load() >> 32) + 1) << 32;  // the next job number, task 0
+  const std::uint64_t job = ((closed >> 32) + 1) << 32;  // the next job number, task 0
   job_.store(job);  // seq_cst: ordered against the load of sleeping_ below (and its increment in work())
   if (sleeping_.load() > 0) job_.notify_all();
   while (claim_and_run(job)) {

@@ -33,9 +33,10 @@ class WorkerPool {
   // Runs task(i) for every i in [0, tasks), each exactly once, and returns when all have finished.
   // With one thread, or one task, they run in order on the caller. Allocates nothing. Check inputs before
   // run(); a task that throws anyway (std::bad_alloc from Eigen's packing buffers, out of memory) has its
-  // exception rethrown here, on the caller, once every task has finished or thrown, where an exception
-  // leaving a worker's thread would end the process (std::terminate) instead of giving the run's one line
-  // (run_main); with several, the first caught. Handing tasks to another core costs a round trip between cores
+  // exception rethrown here, on the caller - handed over by the thread that ran it, once every other task has
+  // finished or thrown (with several, the first caught), where an exception leaving a worker's thread would end
+  // the process (std::terminate) instead of giving the run's one line (run_main). In order on the caller, the
+  // first throw ends the loop, as a plain loop's would. Handing tasks to another core costs a round trip between cores
   // (~0.5 us on the 2-core VM this was measured on; ~1.2 us per run() in all): not worth it for a task of
   // a few microseconds - the caller decides, see CpuBackend.
   template <typename Task>

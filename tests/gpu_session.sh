@@ -52,6 +52,7 @@ step_build() {
   start=$SECONDS
   # Each build's own exit status: on a warm machine (a second call) the first call's binaries are still there, so
   # a build that fails must stop the session rather than leave an older binary to be measured as this one.
+  rm -f "$out/build.log" "$out/build_base.log"  # a second call's failed configure must not show the first call's log
   (configure . build/release && cmake --build build/release -j "$jobs" >"$out/build.log" 2>&1) &
   local release_pid=$! base_pid="" release_status base_status=0
   if [[ -n $base ]]; then

@@ -100,7 +100,7 @@ TEST_CASE("chapter 02: the three growth policies reproduce naive generation and 
   CHECK(matches == 3);
 }
 
-TEST_CASE("chapter 02: one new token has no decode step, and the table says so instead of printing 0 ms; none is refused") {
+TEST_CASE("chapter 02: one new token has no decode step, and the table says so instead of printing 0 ms - none is refused") {
   const auto r = run_command(binary("02_dynamic_cache") + " --model " + golden_path("mha.bin") +
                              " --prompt 'abc' --max-new-tokens 1 --threads 1");
   CAPTURE(r.err);

@@ -75,6 +75,28 @@ TEST_CASE("worker pool: a task that throws has its exception rethrown on the cal
   }
 }
 
+// Jobs of few tasks and of many, back to back: a worker that found the last job's tasks all claimed could, in
+// the moment the caller was setting up the next job (its task count written, its number not yet), take that
+// count for the last job's and claim a task past its end - run with either job's function, or once more in the
+// new job - and count it into the new job's finished tasks. More threads than this machine's 2 cores, so that
+// a thread is preempted anywhere.
+TEST_CASE("worker pool: back-to-back jobs of different sizes never run a task twice, nor one past a job's end") {
+  WorkerPool pool(3);
+  std::vector<std::atomic<int>> runs(64);
+  std::atomic<int> past_end{0};
+  int wrong = 0;
+  for (int job = 0; job < (test::sanitizer_run() ? 20000 : 200000); ++job) {
+    const int tasks = job % 2 == 0 ? 2 : 64;
+    pool.run(tasks, [&, tasks](int i) {
+      if (i >= tasks) past_end.fetch_add(1);
+      else runs[i].fetch_add(1);
+    });
+    for (int i = 0; i < 64; ++i) wrong += runs[i].exchange(0) != (i < tasks ? 1 : 0);
+  }
+  CHECK(wrong == 0);
+  CHECK(past_end.load() == 0);
+}
+
 TEST_CASE("worker pool: a worker takes the tasks the caller has not claimed, also after sleeping") {
   // Two tasks that each wait until the other has started: they can only meet if two threads run them at
   // once. Either thread may claim either task (a spinning worker can see the job before the caller claims

@@ -337,6 +337,8 @@ TEST_CASE("inputs: a flag the chosen experiment would ignore is refused, and so 
            {"04_sliding_window --experiment perplexity --temperature 0.8", "--temperature is for --experiment generate,"},
            {"04_sliding_window --experiment induction --sinks 2", "--sinks is for --experiment generate,"},
            {"05_break_corrupt_key --experiment sweep --every 2", "--every is for --experiment run, not sweep"},
+           {"05_break_corrupt_key --experiment sweep --prompt-bytes 40 --max-new-tokens 12 --kv-head 9",
+            "--kv-head 9 is out of range"},  // the sweep reads it
            {"06_break_off_by_one --experiment probes --every 3", "--every is for --experiment run, not probes"},
            {"08_paged_batching --batch-sizes 1,2", "--batch-sizes is for --experiment throughput, not serve: drop it"},
            {"08_paged_batching --experiment throughput --max-batch 4", "--max-batch is for --experiment serve, batching,"},

@@ -88,9 +88,10 @@ int main(int argc, char** argv) {
     if (options.max_new_tokens < 2) return std::string("--max-new-tokens: at least 2 (one step before the corruption, one after)");
     return std::string();
   });
-  // The run corrupts the one vector its flags name; the sweep chooses its own over layers, positions and seeds.
+  // The run corrupts the one vector its flags name; the sweep chooses its own layers, positions, parts and seeds
+  // (--kind, --amount and --kv-head are both's).
   kvs::ArgParser::FlagReaders readers;
-  for (const char* flag : {"--layer", "--kv-head", "--position", "--at-step", "--corruption-seed", "--value",
+  for (const char* flag : {"--layer", "--position", "--at-step", "--corruption-seed", "--value",
                            "--restore-after", "--every", "--contamination-csv", "--prompt", "--prompt-file"})
     readers.push_back({flag, {"run"}});
   for (const char* flag : {"--prompts", "--seeds", "--prompt-bytes", "--kl-csv"}) readers.push_back({flag, {"sweep"}});
@@ -118,6 +119,9 @@ int main(int argc, char** argv) {
     if (experiment == "run") {  // checked before anything is printed: a refusal is one line
       if (!parser.given("--position")) corruption.position = kvs::ch05::default_position(prompt_len, corruption.at_step);
       kvs::ch05::check_corruption(corruption, c, prompt_len, options.max_new_tokens);
+    } else if (corruption.kv_head < 0 || corruption.kv_head >= c.n_kv_heads) {
+      throw kvs::UsageError("--kv-head " + std::to_string(corruption.kv_head) + " is out of range: the model has KV heads "
+                            "0.." + std::to_string(c.n_kv_heads - 1));
     }
     // Both outputs checked before anything is printed (a refusal is one line): the run's steps and contamination,
     // or the sweep's runs and KL curves. Neither may be an input, nor the other.

@@ -132,9 +132,10 @@ int serve_trace(Setup& s) {
     std::printf("[request %zu] %s|%s\n", i, decode_on_one_line(s.requests[i].prompt).c_str(), decode_on_one_line(results[i].output).c_str());
 
   const auto ttft = collect(results, &RequestResult::time_to_first_token_ms);
-  std::vector<double> tpot;  // of the requests with a token after their first: a 1-token request has no such time
+  const auto tpot = collect(results, &RequestResult::time_per_output_token_ms);  // per request, for the CSV
+  std::vector<double> tpot_after_first;  // the p50's: a 1-token request has no time per token after its first
   for (const RequestResult& r : results)
-    if (r.output.size() > 1) tpot.push_back(r.time_per_output_token_ms());
+    if (r.output.size() > 1) tpot_after_first.push_back(r.time_per_output_token_ms());
   const auto latency = collect(results, &RequestResult::latency_ms);
   std::fprintf(stderr, "\n%d steps in %.0f ms: %ld tokens generated, %.0f tokens/s; %ld prompt tokens prefilled; up to %d "
                        "sequences in a step; %d preemptions (%ld tokens recomputed)\n", stats.steps, stats.wall_ms,
@@ -142,7 +143,7 @@ int serve_trace(Setup& s) {
                stats.recomputed_tokens);
   std::fprintf(stderr, "per request: time to first token p50 %.1f ms, p99 %.1f ms; time per output token p50 %.2f ms; "
                        "latency p50 %.1f ms, p99 %.1f ms\n", percentile(ttft, 50), percentile(ttft, 99),
-               percentile(tpot, 50), percentile(latency, 50), percentile(latency, 99));
+               percentile(tpot_after_first, 50), percentile(latency, 50), percentile(latency, 99));
   std::fprintf(stderr, "KV cache: %.1f%% of the positions handed out held no K/V (the tails of last blocks), on average over "
                        "the steps; at most %d of %d blocks in use\n", 100 * waste_share(stats), stats.peak_used_blocks, pool.blocks());
 
@@ -277,8 +278,10 @@ int memory_waste(Setup& s) {
   sizes.push_back(c.seq_len);  // one block of the whole context a sequence: a max-length reservation
   SchedulerOptions options = s.options;
   options.max_batch = options.token_budget;  // memory, not the batch limit, decides how many run at once
-  std::fprintf(stderr, "%zu requests, all at step 0, in a pool of %s; the last row reserves the model's whole context "
+  const int latest = std::ranges::max(s.requests, {}, &Request::arrival_step).arrival_step;
+  std::fprintf(stderr, "%zu requests, %s, in a pool of %s; the last row reserves the model's whole context "
                        "(%d positions) per sequence, as a preallocated cache per sequence must\n", s.requests.size(),
+               latest == 0 ? "all at step 0" : ("arriving over " + std::to_string(latest) + " steps").c_str(),
                format_bytes(double(s.kv_memory)).c_str(), c.seq_len);
   std::fprintf(stderr, "%10s %8s %14s %14s %8s %14s %8s %10s\n", "block", "blocks", "reserved (avg)", "live (avg)", "waste",
                "largest batch", "preempt", "tokens/s");
