@@ -41,7 +41,9 @@ bool WorkerPool::claim_and_run(std::uint64_t job) {
   for (;;) {
     if (job_number(seen) != job_number(job)) return false;  // that job is over
     const int next = static_cast<int>(seen & kTaskMask);
-    if (next >= tasks_.load(std::memory_order_relaxed)) return false;
+    // Acquire, with run_erased's release: a worker that reads a new job's count sees the old job closed, so its
+    // exchange below fails (the count of the job it holds, or it gets nothing).
+    if (next >= tasks_.load(std::memory_order_acquire)) return false;
     if (job_.compare_exchange_weak(seen, seen + 1, std::memory_order_acq_rel)) {
       // The job cannot end before this task finishes, so its call and context stay valid.
       try {
@@ -61,10 +63,11 @@ void WorkerPool::run_erased(int tasks, Call call, void* context) {
   // (all its tasks claimed) and its exchange: had tasks_ grown before job_ changed, it took the new count for the
   // old job's and claimed a task past the old job's end, run with either job's function and counted into the new
   // job's finished tasks, so that run() could return while it ran (a test saw it in 9 runs of 40). Closed, its
-  // exchange fails. Then the fields, which no worker reads until the job that opens below.
+  // exchange fails. Then the fields: a worker that reads the new count also sees the close (release, acquire),
+  // and call and context are read only by a worker that has claimed a task of the job that opens below.
   const std::uint64_t closed = (((job_.load() >> 32) + 1) << 32) | kClosed;
   job_.store(closed);
-  tasks_.store(tasks, std::memory_order_relaxed);
+  tasks_.store(tasks, std::memory_order_release);  // after the close, for whoever reads it (claim_and_run)
   call_.store(call, std::memory_order_relaxed);
   context_.store(context, std::memory_order_relaxed);
   finished_.store(0, std::memory_order_relaxed);
