@@ -187,6 +187,10 @@ TEST_CASE("chapter 04: a ring of window + chunk - 1 slots, past the trained cont
   const auto fluency_too_long = run_command(ch04 + " --experiment fluency --positions within-window --windows full,32");
   CHECK(fluency_too_long.exit_code == 2);
   CHECK(fluency_too_long.err.find("leave 'full' out of --windows") != std::string::npos);
+  // Its own 1024-byte prompts, not the default --prompt's 14 tokens added to them.
+  const auto fluency_absolute = run_command(ch04 + " --experiment fluency --windows 32");
+  CHECK(fluency_absolute.exit_code == 2);
+  CHECK(fluency_absolute.err.find("the prompt (1024 tokens) plus 300 new tokens go past") != std::string::npos);
   // The stream scores what lies past the context, so it must reach past it (it once stopped inside the model).
   const auto short_stream = run_command(ch04 + " --experiment stream --window 8 --stream-bytes 97");
   CHECK(short_stream.exit_code == 2);

@@ -191,9 +191,9 @@ int main(int argc, char** argv) {
     const kvs::ModelConfig& c = rt.model.config();
     const int prompt_tokens = static_cast<int>(rt.prompt.size());
     // Positions the generating experiments feed: the prompt and every new token but the last.
-    auto check_fits = [&](int new_tokens) {
-      if (positions == kvs::ch04::KeyPositions::kAbsolute && prompt_tokens + new_tokens - 1 > seq_len)
-        throw kvs::UsageError("the prompt (" + std::to_string(prompt_tokens) + " tokens) plus " + std::to_string(new_tokens) +
+    auto check_fits = [&](int prompt, int new_tokens) {
+      if (positions == kvs::ch04::KeyPositions::kAbsolute && prompt + new_tokens - 1 > seq_len)
+        throw kvs::UsageError("the prompt (" + std::to_string(prompt) + " tokens) plus " + std::to_string(new_tokens) +
                               " new tokens go past the model's context of " + std::to_string(seq_len) +
                               " positions, where keys rotated at absolute positions are not exact; use --positions "
                               "within-window (or fewer --max-new-tokens)");
@@ -207,8 +207,9 @@ int main(int argc, char** argv) {
       throw kvs::UsageError("--distances " + std::to_string(longest_distance) + ": the filler between the copies comes from "
                             "the held-out text's second half, each passage's from its own place; give distances of at "
                             "most " + std::to_string(kvs::ch04::longest_recall_distance(lab.held_out)));
-    if (experiment == "generate" || experiment == "memory" || experiment == "samples") check_fits(options.max_new_tokens);
-    if (experiment == "fluency") check_fits(1024 + options.max_new_tokens);  // its prompts are 1024 bytes
+    if (experiment == "generate" || experiment == "memory" || experiment == "samples")
+      check_fits(prompt_tokens, options.max_new_tokens);
+    if (experiment == "fluency") check_fits(1024, options.max_new_tokens);  // its own prompts, 1024 bytes (not --prompt)
     if (experiment == "memory" && prompt_tokens >= seq_len)  // its full cache stops at the context: nothing left to time
       throw kvs::UsageError("--experiment memory compares the window with a full cache, which needs a prompt shorter than "
                             "the model's context of " + std::to_string(seq_len) + " positions; this one has " +
