@@ -66,7 +66,7 @@ void WorkerPool::run_erased(int tasks, Call call, void* context) {
   // exchange fails. Then the fields: a worker that reads the new count also sees the close (release, acquire),
   // and call and context are read only by a worker that has claimed a task of the job that opens below.
   const std::uint64_t closed = (((job_.load() >> 32) + 1) << 32) | kClosed;
-  job_.store(closed);
+  job_.store(closed, std::memory_order_relaxed);   // ordered before the count by the count's release store
   tasks_.store(tasks, std::memory_order_release);  // after the close, for whoever reads it (claim_and_run)
   call_.store(call, std::memory_order_relaxed);
   context_.store(context, std::memory_order_relaxed);

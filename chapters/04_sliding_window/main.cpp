@@ -98,7 +98,9 @@ int main(int argc, char** argv) {
   // and perplexity the held-out text, teacher-forced; stream its own ring, rotated within the window; induction a
   // full cache. --model, --threads, --backend, --memory-limit and --chunk: every one.
   const std::vector<std::string> generating = {"generate", "memory", "samples"},
-                                 sampling = {"generate", "fluency", "memory", "samples"};
+                                 sampling = {"generate", "fluency", "memory", "samples"},
+                                 one_window = {"generate", "stream", "memory"},          // --window
+                                 several_windows = {"perplexity", "recall", "fluency", "samples"};  // --windows
   parser.add_read_only_by(
       "--experiment", &experiment,
       {{"--prompt", generating},
@@ -108,10 +110,10 @@ int main(int argc, char** argv) {
        {"--top-k", sampling},
        {"--seed", sampling},
        {"--csv", {"generate", "perplexity", "recall", "induction", "fluency", "stream", "memory"}},
-       {"--window", {"generate", "stream", "memory"}},
+       {"--window", one_window},
        {"--sinks", {"generate", "perplexity", "recall", "fluency", "stream", "memory", "samples"}},
        {"--positions", {"generate", "perplexity", "recall", "fluency", "memory", "samples"}},
-       {"--windows", {"perplexity", "recall", "fluency", "samples"}},
+       {"--windows", several_windows},
        {"--distances", {"recall", "induction"}},
        {"--max-bytes", {"perplexity"}},
        {"--context", {"perplexity"}},
@@ -132,7 +134,7 @@ int main(int argc, char** argv) {
     const int seq_len = kvs::Checkpoint(kvs::resolve_model_path(options)).config().seq_len;
     if (!parser.given("--window")) window = std::min(window, seq_len);  // a small model's context may be shorter
     if (!parser.given("--sinks") && (experiment == "perplexity" || experiment == "stream")) sinks = std::min(4, window - 1);
-    if ((experiment == "generate" || experiment == "stream" || experiment == "memory") && sinks >= window)
+    if (std::ranges::count(one_window, experiment) > 0 && sinks >= window)
       throw kvs::UsageError("--sinks " + std::to_string(sinks) + " must be smaller than --window " + std::to_string(window));
     if (chunk > seq_len) throw kvs::UsageError("--chunk " + std::to_string(chunk) + " exceeds the model's context of " + std::to_string(seq_len));
     if (window > seq_len)
@@ -156,7 +158,7 @@ int main(int argc, char** argv) {
         default_windows.empty() ? std::vector<int>{} : parse_windows(parser.given("--windows") ? windows_text : default_windows, seq_len);
     // Recall, fluency and samples keep the sinks in every window they run (perplexity compares without and with
     // them, its table showing "-" where a window is too small to hold them).
-    if (experiment == "recall" || experiment == "fluency" || experiment == "samples")
+    if (std::ranges::count(several_windows, experiment) > 0 && experiment != "perplexity")
       for (int w : windows)
         if (w > 0 && sinks >= w)
           throw kvs::UsageError("--sinks " + std::to_string(sinks) + " must be smaller than every window of --windows; " +

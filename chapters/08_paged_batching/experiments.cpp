@@ -102,14 +102,22 @@ BlockPool make_pool(Setup& s, int block_size, std::int64_t bytes, int max_sequen
   return BlockPool(s.rt.backend, c, pool_blocks(s, block_size, bytes), block_size, max_sequences, c.seq_len, s.format);
 }
 
+namespace {
+// The scheduler's options for the memory experiment: memory, not the batch limit, decides how many run at once.
+SchedulerOptions memory_options(const Setup& s) {
+  SchedulerOptions options = s.options;
+  options.max_batch = options.token_budget;
+  return options;
+}
+}  // namespace
+
 void check_pools(const Setup& s, const std::string& experiment) {
   const ModelConfig& c = s.rt.model.config();
   std::vector<int> block_sizes = {s.block_size};
-  SchedulerOptions options = s.options;
+  const SchedulerOptions options = experiment == "memory" ? memory_options(s) : s.options;
   if (experiment == "memory") {
     block_sizes = s.block_sizes;
     block_sizes.push_back(c.seq_len);  // memory_waste's max-length reservation
-    options.max_batch = options.token_budget;  // as memory_waste runs
   }
   for (int block_size : block_sizes) {
     const int blocks = pool_blocks(s, block_size, s.kv_memory);
@@ -276,8 +284,7 @@ int memory_waste(Setup& s) {
   const ModelConfig& c = s.rt.model.config();
   std::vector<int> sizes = s.block_sizes;
   sizes.push_back(c.seq_len);  // one block of the whole context a sequence: a max-length reservation
-  SchedulerOptions options = s.options;
-  options.max_batch = options.token_budget;  // memory, not the batch limit, decides how many run at once
+  const SchedulerOptions options = memory_options(s);
   const int latest = std::ranges::max(s.requests, {}, &Request::arrival_step).arrival_step;
   std::fprintf(stderr, "%zu requests, %s, in a pool of %s; the last row reserves the model's whole context "
                        "(%d positions) per sequence, as a preallocated cache per sequence must\n", s.requests.size(),

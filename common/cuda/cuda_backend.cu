@@ -400,16 +400,19 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
 
   for (int tile = begin; tile < end; tile += kTile) {
     __syncthreads();  // the last tile's k, v, p and positions are used up (and, the first time, q_tile is written)
-    if (const int j = threadIdx.x; j < kTile) tile_positions[j] = tile + j < end ? kv.position_of(tile + j) : -1;
+    // A row's position, or -1 for a row no query of the block may see, once per row. The queries that see a key
+    // form one run of positions from the key's own on, so the block's first query at or after it decides: the
+    // rows between the sinks and a window, read before, came in as 0 · value, NaN where a value was not finite.
+    if (const int j = threadIdx.x; j < kTile) {
+      const int key_pos = tile + j < end ? kv.position_of(tile + j) : -1;
+      const bool seen = key_pos >= 0 && key_visible(key_pos > first_pos ? key_pos : first_pos, key_pos, kv.window);
+      tile_positions[j] = seen ? key_pos : -1;
+    }
     __syncthreads();
     for (int e = threadIdx.x; e < kTile * kHeadDim; e += blockDim.x) {
       const int j = e / kHeadDim, d = e % kHeadDim;
       const int key_pos = tile_positions[j];
-      // A row some query of the block may see. The queries that see a key form one run of positions from the
-      // key's own on, so the block's first query at or after it decides: the rows between the sinks and a
-      // window, read before, brought their bytes in as 0 · value, NaN where a value was not finite.
-      const bool read = key_pos >= 0 && key_pos <= last_pos && d < head_dim &&
-                        key_visible(key_pos > first_pos ? key_pos : first_pos, key_pos, kv.window);
+      const bool read = key_pos >= 0 && key_pos <= last_pos && d < head_dim;  // a row some query may see
       k_tile[j * kPadded + d] = read ? kv.key(tile + j, kv_offset + d) : 0.0f;  // stored or decoded (chapter 10)
       v_tile[j * kHeadDim + d] = read ? kv.value(tile + j, kv_offset + d) : 0.0f;
     }
