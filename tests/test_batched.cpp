@@ -593,6 +593,14 @@ TEST_CASE("scheduler: every request's greedy tokens equal the request served alo
         CHECK(results[i].output == expected[i]);
       }
       CHECK(pool.free_blocks() == pool.blocks());  // every block back when every request has finished
+      // The token accounting: every prompt position once, every recomputed position once more, and every
+      // generated token but the last (it is never fed) once as a decode token - the prefill count exactly the
+      // first two, a preempted sequence's next token not among them.
+      long prompts = 0, decodes = 0, fed = 0;
+      for (const Request& r : requests) prompts += long(r.prompt.size()), decodes += r.max_new_tokens - 1;
+      for (int t : stats.step_tokens) fed += t;
+      CHECK(stats.prefill_tokens == prompts + stats.recomputed_tokens);
+      CHECK(fed == prompts + stats.recomputed_tokens + decodes);
       if (tight) CHECK(stats.preemptions > 0);
       else CHECK(stats.preemptions == 0);
       CHECK(stats.peak_running > 1);

@@ -23,6 +23,9 @@ struct Running {
   std::vector<int> tokens;  // prompt + output so far
   int fed = 0;              // tokens[0, fed) are in the cache
   int take = 0;             // tokens this step feeds
+  // tokens[0, prefill_end) are prefill: the prompt, and after a preemption the tokens it had cached and
+  // recomputes. A preempted sequence's next token (sampled, never fed) is a decode token, as it would have been.
+  int prefill_end = 0;
   int pending() const { return static_cast<int>(tokens.size()) - fed; }
 };
 
@@ -178,8 +181,10 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
       const int cached = cache->length();
       if (results[r].output.empty() && results[r].preemptions == 0) results[r].cached_prompt_tokens = cached;
       stats.cached_prompt_tokens += cached;
-      stats.recomputed_tokens += std::max(0, lost[r] - cached), lost[r] = 0;
-      Running s{r, std::move(cache), std::move(tokens), cached};
+      stats.recomputed_tokens += std::max(0, lost[r] - cached);
+      const int prefill_end = std::max(static_cast<int>(requests[r].prompt.size()), lost[r]);
+      lost[r] = 0;
+      Running s{r, std::move(cache), std::move(tokens), cached, 0, prefill_end};
       s.tokens.reserve(requests[r].prompt.size() + requests[r].max_new_tokens);
       s.take = std::min(s.pending(), budget);
       free_blocks -= s.cache->blocks_to_grow(s.take), budget -= s.take;
@@ -198,8 +203,7 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
     int row = 0;
     for (Running& s : running) {
       if (s.take == 0) continue;
-      const bool was_prefill = s.pending() > 1 || results[s.request].output.empty();
-      if (was_prefill) stats.prefill_tokens += s.take;
+      stats.prefill_tokens += std::clamp(s.prefill_end - s.fed, 0, s.take);
       s.fed += s.take;
       caches.filled(*s.cache, std::span<const int>(s.tokens).first(s.fed));
       const std::span<const float> own = logits.subspan(std::size_t(row++) * vocab, vocab);
