@@ -229,6 +229,11 @@ TEST_CASE("cuda harness: every block runs, and dynamic shared memory starts as N
   CHECK(std::isnan(first.host()[0]));
   CHECK_THROWS_WITH_AS(KVS_LAUNCH(blocks_and_shared, dim3(1), dim3(2048), 0, nullptr, counter.p, first.p),
                        doctest::Contains("a block of 2048 threads"), std::runtime_error);
+  // A GPU refuses a grid past 65,535 blocks in y or z (refused before any block runs here).
+  CHECK_THROWS_WITH_AS(KVS_LAUNCH(blocks_and_shared, dim3(1, 65536), dim3(64), 0, nullptr, counter.p, first.p),
+                       doctest::Contains("a grid of (1,65536,1) blocks"), std::runtime_error);
+  CHECK_THROWS_WITH_AS(KVS_LAUNCH(blocks_and_shared, dim3(1, 1, 65536), dim3(64), 0, nullptr, counter.p, first.p),
+                       doctest::Contains("a grid of (1,1,65536) blocks"), std::runtime_error);
 }
 
 namespace {

@@ -307,8 +307,8 @@ __device__ PartialSoftmax attend_rows(HeadPartials& parts, const float (&query)[
 }
 
 // out (n, n_heads · head_dim), q (n, n_heads · head_dim) at positions[0 .. n-1] (device memory).
-// Grid (n_heads, n), block warps · 32 (warps <= kMaxAttentionWarps, chosen by the caller): block (h, i)
-// computes query i's head h over all the rows it visits. With `weights` (n, n_heads, rows) the warps then
+// Grid (n, n_heads) - queries in x, whose limit is 2^31 - 1 blocks, not y's 65,535 - block warps · 32
+// (warps <= kMaxAttentionWarps, chosen by the caller): block (i, h) computes query i's head h over all the rows it visits. With `weights` (n, n_heads, rows) the warps then
 // visit their rows again and write each row's softmax weight (0 for a hidden row): an observer's second
 // pass, off by default.
 __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
@@ -316,7 +316,7 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
                      int group, int head_dim) {
   KVS_WAIT_FOR_PREVIOUS_KERNEL();
   __shared__ HeadPartials parts;
-  const int h = blockIdx.x, i = blockIdx.y;
+  const int i = blockIdx.x, h = blockIdx.y;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   const int query_pos = positions[i], kv_offset = (h / group) * head_dim, dim = n_heads * head_dim;
   const int row_end = kv.rows_to_visit(query_pos);  // the rows past the query's own position are its future
@@ -1230,7 +1230,7 @@ class CudaBackend final : public Backend {
     // Prefill otherwise (a block per query and head: 4 warps each: read-time rotation, larger heads) and an
     // observed step (one block per head: more warps share the rows, one per 64 rows, up to 16).
     const int warps = n == 1 ? std::clamp(kv.rows / 64, 1, kMaxAttentionWarps) : 4;
-    KVS_LAUNCH(attention_kernel, dim3(shape.n_heads, n), dim3(warps * kWarp), 0, queue_, out, weights, q, positions,
+    KVS_LAUNCH(attention_kernel, dim3(n, shape.n_heads), dim3(warps * kWarp), 0, queue_, out, weights, q, positions,
                kv, shape.n_heads, group, shape.head_dim);
   }
   // A decode step of several sequences (every part one query; chapter 08): one launch of the decoding kernel

@@ -41,6 +41,7 @@ constexpr const char* kNoWait =
     " without KVS_WAIT_FOR_PREVIOUS_KERNEL() (a kernel's first statement: launched programmatically it may start "
     "before the kernel ahead of it has finished)";
 constexpr int kMaxThreadsPerBlock = 1024;
+constexpr unsigned kMaxGridX = 2147483647u, kMaxGridYZ = 65535u;
 constexpr std::size_t kMaxDynamicShared = 227 * 1024;  // an H100's per-block limit
 #if defined(__SANITIZE_ADDRESS__)
 constexpr std::size_t kStackBytes = 512 * 1024;  // ASan's redzones make frames larger
@@ -188,6 +189,11 @@ class Scheduler {
     if (threads < 1 || threads > kMaxThreadsPerBlock)
       fail(kernel, "a block of " + std::to_string(threads) + " threads (1 to " + std::to_string(kMaxThreadsPerBlock) + " allowed)");
     if (long(grid.x) * grid.y * grid.z < 1) fail(kernel, "an empty grid");
+    // CUDA's grid limits (compute capability 3.0 on): a launch past them fails with "invalid configuration".
+    if (grid.x > kMaxGridX || grid.y > kMaxGridYZ || grid.z > kMaxGridYZ)
+      fail(kernel, "a grid of (" + std::to_string(grid.x) + "," + std::to_string(grid.y) + "," + std::to_string(grid.z) +
+                       ") blocks (at most " + std::to_string(kMaxGridX) + " in x, " + std::to_string(kMaxGridYZ) +
+                       " in y and z)");
     if (dynamic_shared > kMaxDynamicShared)
       fail(kernel, std::to_string(dynamic_shared) + " bytes of dynamic shared memory (at most " +
                        std::to_string(kMaxDynamicShared) + ")");
