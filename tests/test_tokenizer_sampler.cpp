@@ -1,10 +1,12 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "random.h"
 #include "sampler.h"
 #include "tokenizer.h"
 
@@ -85,4 +87,60 @@ TEST_CASE("sampler: temperature sampling follows softmax(logits / T)") {
     // The standard error of a frequency over 40000 draws is at most 0.0025: 0.01 is four of them.
     CHECK(std::abs(counts[i] / double(draws) - std::exp(logits[i] / temperature) / z) < 0.01);
   }
+}
+
+// common/random.h: the draws chapters 05, 08 and 09 make. With libstdc++ its integers and exponentials are
+// std::uniform_int_distribution's and std::exponential_distribution's bits (the traces the book shows); on any
+// library its first draws are the numbers below; and its normals have mean 0 and variance 1.
+TEST_CASE("random: libstdc++'s integers and exponentials, the same first draws everywhere, normals of variance 1") {
+#if defined(__GLIBCXX__)
+  // Ranges of 1, 2, 7 (no power of two), 2^32 + 1, and 3 · 2^62 + 1, which rejects about a quarter of the draws.
+  const std::vector<std::pair<std::int64_t, std::int64_t>> ranges{
+      {5, 5}, {0, 1}, {-3, 3}, {100000, 100000 + (std::int64_t(1) << 32)}, {std::numeric_limits<std::int64_t>::min(), std::int64_t(1) << 62}};
+  for (std::uint64_t seed : {1ull, 20261127ull}) {
+    CAPTURE(seed);
+    for (const auto& [lo, hi] : ranges) {
+      CAPTURE(hi);
+      Random ours(seed);
+      std::mt19937_64 engine(seed);
+      std::uniform_int_distribution<std::int64_t> theirs(lo, hi);
+      int same = 0;
+      for (int i = 0; i < 2000; ++i) same += ours.uniform_int(lo, hi) == theirs(engine) ? 1 : 0;
+      CHECK(same == 2000);
+    }
+    for (double rate : {1.0, 1.0 / 4}) {
+      Random ours(seed);
+      std::mt19937_64 engine(seed);
+      std::exponential_distribution<double> theirs(rate);
+      int same = 0;
+      for (int i = 0; i < 2000; ++i) same += ours.exponential(rate) == theirs(engine) ? 1 : 0;
+      CHECK(same == 2000);
+    }
+  }
+#endif
+  // The first draws of seed 1, whatever the library: integers exactly; a normal from the library's log and sqrt,
+  // within 1e-12 (a libm may round its last bit differently).
+  Random integers(1);
+  std::vector<std::int64_t> drawn;
+  for (int i = 0; i < 8; ++i) drawn.push_back(integers.uniform_int(0, 9));
+  CHECK(drawn == std::vector<std::int64_t>{1, 1, 4, 0, 3, 9, 4, 0});
+  Random normals(1);
+  for (double expected : {-0.38683168572455229, -0.039399992446396144, 0.6868238330500418, -0.24894799097524481}) CHECK(std::abs(normals.normal() - expected) < 1e-12);
+
+  // Moments over 200,000 draws, at about 4 standard errors: the mean's is 1/sqrt(n) = 0.0022, the variance's
+  // sqrt(2/n) = 0.0032; the exponential's mean (4) has 4/sqrt(n) = 0.009.
+  Random random(7);
+  const int n = 200000;
+  double sum = 0, squares = 0, exponentials = 0;
+  std::vector<int> counts(7, 0);
+  for (int i = 0; i < n; ++i) {
+    const double z = random.normal();
+    sum += z, squares += z * z;
+    exponentials += random.exponential(0.25);
+    ++counts[random.uniform_int(-3, 3) + 3];
+  }
+  CHECK(std::abs(sum / n) < 0.01);
+  CHECK(std::abs(squares / n - 1.0) < 0.015);
+  CHECK(std::abs(exponentials / n - 4.0) < 0.04);
+  for (int c : counts) CHECK(std::abs(c - n / 7.0) < 4 * std::sqrt(n / 7.0));  // each value 1/7 of the time
 }

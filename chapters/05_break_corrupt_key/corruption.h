@@ -3,7 +3,6 @@
 // layer, one KV head, one position - between two decode steps, and every later query of that layer reads
 // it. Nothing in the model notices: it trusts whatever the cache holds.
 #include <cstdint>
-#include <random>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -12,6 +11,7 @@
 #include "backend.h"
 #include "config.h"
 #include "kv_cache.h"
+#include "random.h"
 
 namespace kvs::ch05 {
 
@@ -47,9 +47,8 @@ inline std::vector<float> corrupted_vector(const Corruption& c, std::span<const 
   } else if (c.kind == Kind::kScale) {
     for (float& x : out) x *= c.amount;
   } else {
-    std::mt19937_64 rng(c.seed);
-    std::normal_distribution<float> normal(0.0f, c.amount);
-    for (float& x : out) x = normal(rng);
+    Random random(c.seed);  // the same vector with every compiler and library (common/random.h)
+    for (float& x : out) x = static_cast<float>(random.normal() * c.amount);
   }
   return out;
 }

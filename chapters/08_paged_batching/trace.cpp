@@ -1,10 +1,11 @@
 #include "trace.h"
 
-#include <random>
+#include <cstdint>
 #include <sstream>
 #include <stdexcept>
 
 #include "cli.h"
+#include "random.h"
 #include "tokenizer.h"
 
 namespace kvs::ch08 {
@@ -64,19 +65,17 @@ std::vector<Request> parse_trace(const std::string& text, const std::string& nam
 std::vector<Request> generate_trace(const std::string& text, const TraceShape& shape) {
   if (text.size() <= std::size_t(shape.prompt_max))
     throw std::runtime_error("the text to cut prompts from is shorter than the longest prompt");
-  std::mt19937_64 random(shape.seed);
-  std::uniform_int_distribution<int> prompt_length(shape.prompt_min, shape.prompt_max);
-  std::uniform_int_distribution<int> output_length(shape.output_min, shape.output_max);
-  std::uniform_int_distribution<std::size_t> offset(0, text.size() - shape.prompt_max - 1);
-  std::exponential_distribution<double> gap(shape.mean_gap > 0 ? 1.0 / shape.mean_gap : 1.0);
+  Random random(shape.seed);  // the same trace with every compiler and library (common/random.h)
+  const std::int64_t last_offset = std::int64_t(text.size()) - shape.prompt_max - 1;
   std::vector<Request> requests;
   double arrival = 0;
   for (int i = 0; i < shape.count; ++i) {
     Request r;
-    const int length = prompt_length(random);
-    r.prompt = encode_bytes(std::string_view(text).substr(offset(random), length));
-    r.max_new_tokens = output_length(random);
-    if (shape.mean_gap > 0 && i > 0) arrival += gap(random);
+    const int length = static_cast<int>(random.uniform_int(shape.prompt_min, shape.prompt_max));
+    const std::size_t offset = static_cast<std::size_t>(random.uniform_int(0, last_offset));
+    r.prompt = encode_bytes(std::string_view(text).substr(offset, length));
+    r.max_new_tokens = static_cast<int>(random.uniform_int(shape.output_min, shape.output_max));
+    if (shape.mean_gap > 0 && i > 0) arrival += random.exponential(1.0 / shape.mean_gap);
     if (arrival > kMaxArrivalStep) {  // a trace file's bound too; past INT_MAX the conversion is undefined
       std::ostringstream why;
       why << "--mean-gap " << shape.mean_gap << " over " << shape.count << " requests: arrivals pass step "

@@ -3,12 +3,12 @@
 #include <algorithm>
 #include <cstdio>
 #include <numeric>
-#include <random>
 
 #include "08_paged_batching/scheduler.h"
 #include "parallel_sampling.h"
 #include "prefix_cache.h"
 #include "progress.h"
+#include "random.h"
 #include "timing.h"
 #include "tokenizer.h"
 
@@ -239,22 +239,30 @@ void check_mixed(const Setup& s) {
 
 int mixed_trace(Setup& s) {
   // Half the requests ask about one of four documents (a shared prefix), the others bring a prompt of their own.
-  std::mt19937_64 random(s.trace_seed);
+  // The draws one a statement, in a fixed order (a function's arguments are evaluated in an order the compiler
+  // chooses), from common/random.h: the same trace with every compiler and library.
+  Random random(s.trace_seed);
   std::vector<std::string> documents;
   for (int d = 0; d < 4; ++d) documents.push_back(s.text.substr(20000 + 20000 * std::size_t(d), 512));
-  std::uniform_int_distribution<int> coin(0, 1), which(0, 3), question(16, 64), own(64, 576), output(16, 64);
-  std::uniform_int_distribution<std::size_t> offset(100000, s.text.size() - 1000);
-  std::exponential_distribution<double> gap(1.0);
+  const std::int64_t last_offset = std::int64_t(s.text.size()) - 1000;
   std::vector<ch08::Request> requests;
   double arrival = 0;
   int shared_requests = 0;
   for (int i = 0; i < s.requests; ++i) {
-    const bool shares = coin(random) == 1;
-    std::string prompt = shares ? documents[which(random)] + s.text.substr(offset(random), question(random))
-                                : s.text.substr(offset(random), own(random));
+    const bool shares = random.uniform_int(0, 1) == 1;
+    std::string prompt;
+    if (shares) {
+      const int length = static_cast<int>(random.uniform_int(16, 64));  // the question's bytes
+      const std::size_t offset = static_cast<std::size_t>(random.uniform_int(100000, last_offset));
+      prompt = documents[random.uniform_int(0, 3)] + s.text.substr(offset, length);
+    } else {
+      const int length = static_cast<int>(random.uniform_int(64, 576));
+      prompt = s.text.substr(static_cast<std::size_t>(random.uniform_int(100000, last_offset)), length);
+    }
     shared_requests += shares ? 1 : 0;
-    requests.push_back(ch08::Request{encode_bytes(prompt), output(random), static_cast<int>(arrival)});
-    arrival += gap(random);
+    const int output = static_cast<int>(random.uniform_int(16, 64));
+    requests.push_back(ch08::Request{encode_bytes(prompt), output, static_cast<int>(arrival)});
+    arrival += random.exponential(1.0);
   }
   check_mixed(s);
   const int blocks = static_cast<int>(std::min<std::int64_t>(s.kv_memory / block_bytes(s), 1 << 24));
