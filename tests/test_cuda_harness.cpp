@@ -236,6 +236,25 @@ TEST_CASE("cuda harness: every block runs, and dynamic shared memory starts as N
                        doctest::Contains("a grid of (1,1,65536) blocks"), std::runtime_error);
 }
 
+// A GPU refuses a launch asking for more than 48 KB of dynamic shared memory unless cudaFuncSetAttribute raised that
+// kernel's limit first (the tiled prefill attention's heads over 32 need it: CudaBackend's constructor).
+TEST_CASE("cuda harness: dynamic shared memory over 48 KB only up to what cudaFuncSetAttribute allowed the kernel") {
+  DeviceArray<float> counter(1), first(1);
+  KVS_CUDA_CHECK(cudaMemset(counter.p, 0, sizeof(float)));
+  KVS_LAUNCH(blocks_and_shared, dim3(1), dim3(64), 48 * 1024, nullptr, counter.p, first.p);  // no attribute needed
+  CHECK_THROWS_WITH_AS(KVS_LAUNCH(blocks_and_shared, dim3(1), dim3(64), 64 * 1024, nullptr, counter.p, first.p),
+                       doctest::Contains("65536 bytes of dynamic shared memory, over the 49152 a kernel gets unless "
+                                         "cudaFuncSetAttribute"),
+                       std::runtime_error);
+  KVS_CUDA_CHECK(cudaFuncSetAttribute(blocks_and_shared, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
+  KVS_LAUNCH(blocks_and_shared, dim3(2), dim3(64), 64 * 1024, nullptr, counter.p, first.p);
+  CHECK(counter.host()[0] == 1.0f + 1.0f + 2.0f);  // the first launch's block, then this one's two
+  CHECK_THROWS_WITH_AS(KVS_LAUNCH(blocks_and_shared, dim3(1), dim3(64), 96 * 1024, nullptr, counter.p, first.p),
+                       doctest::Contains("(it allows 65536)"), std::runtime_error);
+  CHECK(cudaFuncSetAttribute(blocks_and_shared, cudaFuncAttributeMaxDynamicSharedMemorySize, 228 * 1024) ==
+        cudaErrorInvalidValue);  // past the device's 227 KB
+}
+
 namespace {
 // x[i] += *amount for every i < n: the amount is read from memory when the kernel runs.
 __global__ void add_from_memory(float* x, const float* amount, int n) {

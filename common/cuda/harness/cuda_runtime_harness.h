@@ -37,7 +37,9 @@
 // KVS_WAIT_FOR_PREVIOUS_KERNEL() (cuda_support.h: every kernel's first statement), a __syncthreads() that some
 // threads of the block never reach (they exited or wait elsewhere), a warp operation that a lane of its mask
 // never joins or joins with another mask, a shuffle reading a lane outside its mask. A deadlock is reported,
-// never a hang.
+// never a hang. And what a GPU refuses at launch: a block of more than 1,024 threads, a grid of more than 65,535
+// blocks in y or z (2^31 - 1 in x), dynamic shared memory over 227 KB, or over 48 KB unless
+// cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ...) allowed that kernel as much.
 // KVS_CUDA_HARNESS_ORDER=sequential (default) | reverse | random:SEED sets the order in which a launch's
 // blocks run, and the threads of a block between two synchronisation points: a missing barrier shows as a
 // wrong result under some order, and so does a kernel that expects a certain block to finish last.
@@ -92,14 +94,19 @@ namespace kvs::cuda_harness {
 // `kernel` on a launch error or a synchronisation error.
 // programmatic: launched programmatically dependent (cuda_support.h's LaunchQueue), so that its first block
 // runs up to KVS_WAIT_FOR_PREVIOUS_KERNEL() before the kernel ahead of it finishes (see below).
-void launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes, bool programmatic,
-            const std::function<void()>& body);
+// kernel_address: the kernel function, for the dynamic shared memory it was allowed (set_max_dynamic_shared).
+void launch(const char* kernel, const void* kernel_address, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes,
+            bool programmatic, const std::function<void()>& body);
+// cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes): a launch of that kernel may ask
+// for up to `bytes` of dynamic shared memory; without it, up to 48 KB (as on a GPU, which refuses the launch).
+void set_max_dynamic_shared(const void* kernel_address, std::size_t bytes);
 // KVS_LAUNCH: the arguments are copied, as a CUDA launch copies them, so a recorded launch (stream capture)
 // does not refer to the caller's variables.
 template <typename Kernel, typename... Args>
 void launch_kernel(const char* name, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes, bool programmatic,
                    Kernel* kernel, Args... args) {
-  launch(name, grid, block, dynamic_shared_bytes, programmatic, [=] { kernel(args...); });
+  launch(name, reinterpret_cast<const void*>(kernel), grid, block, dynamic_shared_bytes, programmatic,
+         [=] { kernel(args...); });
 }
 // The last kernel launched, finished: what every call that synchronises, copies or frees does first.
 void finish_pending_kernel();
@@ -277,6 +284,9 @@ inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) {
 // A kernel's attributes (the dynamic shared memory it may ask for).
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 template <class Kernel>
-cudaError_t cudaFuncSetAttribute(Kernel*, cudaFuncAttribute, int) {
+cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute attribute, int value) {
+  if (attribute != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 || value > 227 * 1024)
+    return cudaErrorInvalidValue;
+  kvs::cuda_harness::set_max_dynamic_shared(reinterpret_cast<const void*>(kernel), std::size_t(value));
   return cudaSuccess;
 }

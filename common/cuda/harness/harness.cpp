@@ -14,6 +14,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "cuda_runtime_harness.h"
@@ -43,6 +44,7 @@ constexpr const char* kNoWait =
 constexpr int kMaxThreadsPerBlock = 1024;
 constexpr unsigned kMaxGridX = 2147483647u, kMaxGridYZ = 65535u;
 constexpr std::size_t kMaxDynamicShared = 227 * 1024;  // an H100's per-block limit
+constexpr std::size_t kDefaultDynamicShared = 48 * 1024;  // what a kernel gets without cudaFuncSetAttribute
 #if defined(__SANITIZE_ADDRESS__)
 constexpr std::size_t kStackBytes = 512 * 1024;  // ASan's redzones make frames larger
 #else
@@ -183,8 +185,10 @@ class Scheduler {
     }
   }
 
-  void launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared, bool programmatic,
-              const std::function<void()>& body) {
+  void set_max_dynamic_shared(const void* kernel_address, std::size_t bytes) { max_dynamic_shared_[kernel_address] = bytes; }
+
+  void launch(const char* kernel, const void* kernel_address, dim3 grid, dim3 block, std::size_t dynamic_shared,
+              bool programmatic, const std::function<void()>& body) {
     const long threads = long(block.x) * block.y * block.z;
     if (threads < 1 || threads > kMaxThreadsPerBlock)
       fail(kernel, "a block of " + std::to_string(threads) + " threads (1 to " + std::to_string(kMaxThreadsPerBlock) + " allowed)");
@@ -197,6 +201,15 @@ class Scheduler {
     if (dynamic_shared > kMaxDynamicShared)
       fail(kernel, std::to_string(dynamic_shared) + " bytes of dynamic shared memory (at most " +
                        std::to_string(kMaxDynamicShared) + ")");
+    if (dynamic_shared > kDefaultDynamicShared) {
+      const auto allowed = max_dynamic_shared_.find(kernel_address);
+      if (allowed == max_dynamic_shared_.end() || allowed->second < dynamic_shared)
+        fail(kernel, std::to_string(dynamic_shared) + " bytes of dynamic shared memory, over the " +
+                         std::to_string(kDefaultDynamicShared) + " a kernel gets unless cudaFuncSetAttribute(kernel, "
+                         "cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) allows more (" +
+                         (allowed == max_dynamic_shared_.end() ? std::string("never called")
+                                                               : "it allows " + std::to_string(allowed->second)) + ")");
+    }
     if (!programmatic) finish_pending();  // a plain launch starts once the kernel before has finished
     std::unique_ptr<Launch> next;  // a finished launch's storage where there is one: no allocation per launch
     if (spares_.empty()) {
@@ -468,6 +481,7 @@ class Scheduler {
   std::vector<int> order_of_threads_;  // kept between blocks: no allocation per block
   std::unique_ptr<Launch> pending_;    // the last kernel launched, its first block stopped at its wait
   std::vector<std::unique_ptr<Launch>> spares_;  // finished launches' storage, for the next ones
+  std::unordered_map<const void*, std::size_t> max_dynamic_shared_;  // kernel -> cudaFuncSetAttribute's bytes
   Launch* running_ = nullptr;          // the launch whose thread runs (or was checked) last
   int current_ = -1;
 #if defined(__SANITIZE_ADDRESS__)
@@ -503,11 +517,17 @@ void run_or_record(const std::function<void()>& work) {
 }
 bool capturing() { return capture != nullptr; }
 
-void launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes, bool programmatic,
-            const std::function<void()>& body) {
-  auto run = [=] { scheduler().launch(kernel, grid, block, dynamic_shared_bytes, programmatic, body); };
+void launch(const char* kernel, const void* kernel_address, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes,
+            bool programmatic, const std::function<void()>& body) {
+  auto run = [=] {
+    scheduler().launch(kernel, kernel_address, grid, block, dynamic_shared_bytes, programmatic, body);
+  };
   if (capture) capture->push_back(run);
   else run();
+}
+
+void set_max_dynamic_shared(const void* kernel_address, std::size_t bytes) {
+  scheduler().set_max_dynamic_shared(kernel_address, bytes);
 }
 
 void finish_pending_kernel() { scheduler().finish_pending(); }
