@@ -33,24 +33,41 @@ constexpr Bound kBounds[7] = {{"dim", 1 << 16},      {"hidden_dim", 1 << 18}, {"
   throw CheckpointError(path + ": " + what);
 }
 
+// llama2.c's legacy RoPE tables, between the final norm and the classifier: cos and sin of every (position, pair).
+// Kept in the format, recomputed, never read.
+std::uint64_t legacy_rope_floats(const ModelConfig& c) { return 2 * std::uint64_t(c.seq_len) * (c.head_dim() / 2); }
+
 // Floats of every tensor in file order, legacy RoPE tables included.
-std::uint64_t checkpoint_floats(const ModelConfig& c) {
-  // The tensors, and between the final norm and a separate classifier llama2.c's legacy RoPE tables (skipped).
-  return std::uint64_t(parameter_count(c)) + 2 * std::uint64_t(c.seq_len) * (c.head_dim() / 2);
-}
+std::uint64_t checkpoint_floats(const ModelConfig& c) { return std::uint64_t(parameter_count(c)) + legacy_rope_floats(c); }
 
 // The tensors in file order (llama2.c's legacy RoPE tables sit between rms_final and the classifier): name,
-// floats per layer, layers. The classifier is last; a shared one is the embedding table, not stored again.
+// floats per layer, layers, and the member that holds it in a mapped checkpoint and in HostWeights - the one list
+// that reading, checking and writing a checkpoint walk. The classifier is last; a shared one is the embedding
+// table, not stored again.
 struct TensorShape {
   const char* name;
   std::size_t per_layer, layers;
+  const float* TensorPointers::*mapped;
+  std::vector<float> HostWeights::*host;
 };
 std::array<TensorShape, 12> tensor_shapes(const ModelConfig& c) {
   const std::size_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, L = c.n_layers, vocab = c.vocab_size;
-  return {{{"token_embedding", vocab * dim, 1}, {"rms_att", dim, L}, {"wq", dim * dim, L}, {"wk", kv_dim * dim, L},
-           {"wv", kv_dim * dim, L}, {"wo", dim * dim, L}, {"rms_ffn", dim, L}, {"w1", hidden * dim, L},
-           {"w2", dim * hidden, L}, {"w3", hidden * dim, L}, {"rms_final", dim, 1}, {"classifier", vocab * dim, 1}}};
+  using T = TensorPointers;
+  using H = HostWeights;
+  return {{{"token_embedding", vocab * dim, 1, &T::token_embedding, &H::token_embedding},
+           {"rms_att", dim, L, &T::rms_att, &H::rms_att},
+           {"wq", dim * dim, L, &T::wq, &H::wq},
+           {"wk", kv_dim * dim, L, &T::wk, &H::wk},
+           {"wv", kv_dim * dim, L, &T::wv, &H::wv},
+           {"wo", dim * dim, L, &T::wo, &H::wo},
+           {"rms_ffn", dim, L, &T::rms_ffn, &H::rms_ffn},
+           {"w1", hidden * dim, L, &T::w1, &H::w1},
+           {"w2", dim * hidden, L, &T::w2, &H::w2},
+           {"w3", hidden * dim, L, &T::w3, &H::w3},
+           {"rms_final", dim, 1, &T::rms_final, &H::rms_final},
+           {"classifier", vocab * dim, 1, &T::classifier, &H::classifier}}};
 }
+bool is_classifier(const TensorShape& shape) { return shape.mapped == &TensorPointers::classifier; }
 
 }  // namespace
 
@@ -139,39 +156,27 @@ Checkpoint::Checkpoint(const std::string& path) : path_(path) {
 
 void Checkpoint::point_at_tensors() {
   const ModelConfig& c = config_;
-  const std::size_t dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, L = c.n_layers;
   const float* p = reinterpret_cast<const float*>(static_cast<const char*>(mapping_) + kHeaderBytes);
-  auto take = [&p](std::size_t floats) {
-    const float* t = p;
-    p += floats;
-    return t;
-  };
-  tensors_.token_embedding = take(c.vocab_size * dim);
-  tensors_.rms_att = take(L * dim);
-  tensors_.wq = take(L * dim * dim);
-  tensors_.wk = take(L * kv_dim * dim);
-  tensors_.wv = take(L * kv_dim * dim);
-  tensors_.wo = take(L * dim * dim);
-  tensors_.rms_ffn = take(L * dim);
-  tensors_.w1 = take(L * hidden * dim);
-  tensors_.w2 = take(L * dim * hidden);
-  tensors_.w3 = take(L * hidden * dim);
-  tensors_.rms_final = take(dim);
-  take(2 * std::size_t(c.seq_len) * (c.head_dim() / 2));  // legacy RoPE tables: recomputed, never read
-  tensors_.classifier = c.shared_classifier ? tensors_.token_embedding : take(c.vocab_size * dim);
+  for (const TensorShape& shape : tensor_shapes(c)) {
+    if (is_classifier(shape)) {
+      p += legacy_rope_floats(c);
+      if (c.shared_classifier) {
+        tensors_.classifier = tensors_.token_embedding;
+        break;
+      }
+    }
+    tensors_.*shape.mapped = p;
+    p += shape.per_layer * shape.layers;
+  }
 }
 
 void Checkpoint::require_finite_weights() const {
-  const TensorPointers& t = tensors_;
-  const float* data[12] = {t.token_embedding, t.rms_att, t.wq, t.wk, t.wv, t.wo, t.rms_ffn, t.w1, t.w2, t.w3,
-                           t.rms_final, t.classifier};  // tensor_shapes' order
-  const auto shapes = tensor_shapes(config_);
-  for (std::size_t i = 0; i < shapes.size(); ++i) {
-    const TensorShape& shape = shapes[i];
-    const float* end = data[i] + shape.per_layer * shape.layers;
-    const float* bad = std::find_if(data[i], end, [](float w) { return !std::isfinite(w); });
+  for (const TensorShape& shape : tensor_shapes(config_)) {
+    const float* data = tensors_.*shape.mapped;
+    const float* end = data + shape.per_layer * shape.layers;
+    const float* bad = std::find_if(data, end, [](float w) { return !std::isfinite(w); });
     if (bad == end) continue;
-    const std::size_t at = static_cast<std::size_t>(bad - data[i]);
+    const std::size_t at = static_cast<std::size_t>(bad - data);
     fail(path_, std::string("tensor ") + shape.name +
                     (shape.layers > 1 ? " of layer " + std::to_string(at / shape.per_layer) : "") + " holds " +
                     (std::isnan(*bad) ? "NaN" : "an infinity") + " at element " + std::to_string(at % shape.per_layer) +
@@ -230,14 +235,12 @@ Checkpoint::Checkpoint(Checkpoint&& o) noexcept
 }
 
 void write_checkpoint(const std::string& path, const ModelConfig& c, const HostWeights& w) {
-  const std::vector<float>* tensors[12] = {&w.token_embedding, &w.rms_att, &w.wq, &w.wk, &w.wv, &w.wo, &w.rms_ffn,
-                                           &w.w1, &w.w2, &w.w3, &w.rms_final, &w.classifier};  // tensor_shapes' order
   const auto shapes = tensor_shapes(c);
-  for (std::size_t i = 0; i < shapes.size(); ++i) {
-    const bool stored = !(i + 1 == shapes.size() && c.shared_classifier);  // a shared classifier is the embedding
-    const std::size_t floats = stored ? shapes[i].per_layer * shapes[i].layers : 0;
-    if (tensors[i]->size() != floats)
-      fail(path, std::string("cannot write: tensor ") + shapes[i].name + " holds " + std::to_string(tensors[i]->size()) +
+  for (const TensorShape& shape : shapes) {
+    const bool stored = !(is_classifier(shape) && c.shared_classifier);  // a shared classifier is the embedding
+    const std::size_t floats = stored ? shape.per_layer * shape.layers : 0, held = (w.*shape.host).size();
+    if (held != floats)
+      fail(path, std::string("cannot write: tensor ") + shape.name + " holds " + std::to_string(held) +
                      " floats, the configuration needs " + std::to_string(floats));
   }
   const int header[7] = {c.dim,        c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads,
@@ -250,8 +253,10 @@ void write_checkpoint(const std::string& path, const ModelConfig& c, const HostW
     ReplacingFile out(path, path);
     auto put = [&out](const float* data, std::size_t floats) { out.write(data, floats * sizeof(float)); };
     out.write(header, sizeof header);
-    for (int i = 0; i < 11; ++i) put(tensors[i]->data(), tensors[i]->size());  // sizes checked above
-    // The two legacy tables llama2.c once read: cos then sin of every (position, pair). Kept for the format.
+    for (const TensorShape& shape : shapes)  // sizes checked above
+      if (!is_classifier(shape)) put((w.*shape.host).data(), (w.*shape.host).size());
+    // The two legacy tables llama2.c once read: cos then sin of every (position, pair), before the classifier.
+    // Kept for the format.
     const int pairs = c.head_dim() / 2;
     std::vector<float> cos_table(std::size_t(c.seq_len) * pairs), sin_table(cos_table.size());
     for (int pos = 0; pos < c.seq_len; ++pos)
