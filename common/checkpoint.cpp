@@ -258,7 +258,7 @@ void write_checkpoint(const std::string& path, const ModelConfig& c, const HostW
     // The two legacy tables llama2.c once read: cos then sin of every (position, pair), before the classifier.
     // Kept for the format.
     const int pairs = c.head_dim() / 2;
-    std::vector<float> cos_table(std::size_t(c.seq_len) * pairs), sin_table(cos_table.size());
+    std::vector<float> cos_table(legacy_rope_floats(c) / 2), sin_table(cos_table.size());  // (seq_len, pairs) each
     for (int pos = 0; pos < c.seq_len; ++pos)
       for (int p = 0; p < pairs; ++p) {
         float cs[2];

@@ -1,13 +1,16 @@
 #pragma once
 // Random draws that are the same with every compiler, standard library and instruction set, for the
 // chapters whose experiments are seeded (05's corrupted vectors, 08's and 09's request traces): the book's
-// transcripts say a seed gives the same counts and text on your machine.
+// transcripts say a seed gives the same counts and text on your machine. The integers are the same to the bit
+// everywhere; the exponentials and normals call the C library's log, which another libm may round differently in
+// its last bit - what 08's and 09's whole-step arrivals and 05's float vectors all but always absorb.
 // <random>'s engines are specified to the bit; its distributions are not. libstdc++ and libc++ draw different
 // numbers from one mt19937_64, and libstdc++'s normal_distribution<float> itself gives other numbers with
 // -march=native than without (the compiler fuses its x·x + y·y into one FMA instruction). So the engine is
 // mt19937_64 and the distributions are written out here. uniform_int and exponential are the algorithms
-// libstdc++ (GCC 12) runs for a 64-bit engine, so they draw what std::uniform_int_distribution and
-// std::exponential_distribution<double> draw there (tests/test_tokenizer_sampler.cpp compares them).
+// libstdc++ (GCC 11 and later) runs for a 64-bit engine, so they draw what std::uniform_int_distribution and
+// std::exponential_distribution<double> draw there (tests/test_tokenizer_sampler.cpp compares them). GCC or Clang:
+// the product of two 64-bit numbers is an unsigned __int128.
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -25,7 +28,7 @@ class Random {
   std::int64_t uniform_int(std::int64_t lo, std::int64_t hi) {
     if (hi < lo) throw std::invalid_argument("Random::uniform_int: an empty range");
     const std::uint64_t range = std::uint64_t(hi) - std::uint64_t(lo) + 1;  // 0: all 2^64 values
-    if (range == 0) return std::int64_t(engine_());
+    if (range == 0) return std::int64_t(std::uint64_t(lo) + engine_());  // [INT64_MIN, INT64_MAX]: lo + a draw
     unsigned __int128 product = (unsigned __int128)engine_() * range;
     if (std::uint64_t(product) < range) {
       const std::uint64_t threshold = (0 - range) % range;  // 2^64 mod range

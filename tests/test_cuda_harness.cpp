@@ -234,6 +234,7 @@ TEST_CASE("cuda harness: every block runs, and dynamic shared memory starts as N
                        doctest::Contains("a grid of (1,65536,1) blocks"), std::runtime_error);
   CHECK_THROWS_WITH_AS(KVS_LAUNCH(blocks_and_shared, dim3(1, 1, 65536), dim3(64), 0, nullptr, counter.p, first.p),
                        doctest::Contains("a grid of (1,1,65536) blocks"), std::runtime_error);
+  CHECK(counter.host()[0] == 55.0f);  // no block of a refused launch ran
 }
 
 // A GPU refuses a launch asking for more than 48 KB of dynamic shared memory unless cudaFuncSetAttribute raised that
@@ -246,11 +247,13 @@ TEST_CASE("cuda harness: dynamic shared memory over 48 KB only up to what cudaFu
                        doctest::Contains("65536 bytes of dynamic shared memory, over the 49152 a kernel gets unless "
                                          "cudaFuncSetAttribute"),
                        std::runtime_error);
+  CHECK(counter.host()[0] == 1.0f);  // the refused launch ran no block
   KVS_CUDA_CHECK(cudaFuncSetAttribute(blocks_and_shared, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
   KVS_LAUNCH(blocks_and_shared, dim3(2), dim3(64), 64 * 1024, nullptr, counter.p, first.p);
   CHECK(counter.host()[0] == 1.0f + 1.0f + 2.0f);  // the first launch's block, then this one's two
   CHECK_THROWS_WITH_AS(KVS_LAUNCH(blocks_and_shared, dim3(1), dim3(64), 96 * 1024, nullptr, counter.p, first.p),
                        doctest::Contains("(it allows 65536)"), std::runtime_error);
+  CHECK(counter.host()[0] == 4.0f);
   CHECK(cudaFuncSetAttribute(blocks_and_shared, cudaFuncAttributeMaxDynamicSharedMemorySize, 228 * 1024) ==
         cudaErrorInvalidValue);  // past the device's 227 KB
 }

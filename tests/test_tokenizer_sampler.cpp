@@ -93,10 +93,11 @@ TEST_CASE("sampler: temperature sampling follows softmax(logits / T)") {
 // std::uniform_int_distribution's and std::exponential_distribution's bits (the traces the book shows); on any
 // library its first draws are the numbers below; and its normals have mean 0 and variance 1.
 TEST_CASE("random: libstdc++'s integers and exponentials, the same first draws everywhere, normals of variance 1") {
-#if defined(__GLIBCXX__)
-  // Ranges of 1, 2, 7 (no power of two), 2^32 + 1, and 3 · 2^62 + 1, which rejects about a quarter of the draws.
+#if defined(_GLIBCXX_RELEASE) && _GLIBCXX_RELEASE >= 11  // Lemire's method since GCC 11; divisions before
+  // Ranges of 1, 2, 7 (no power of two), 2^32 + 1, 3 · 2^62 + 1 (which rejects about a quarter of the draws), 2^64.
+  constexpr std::int64_t kMin = std::numeric_limits<std::int64_t>::min(), kMax = std::numeric_limits<std::int64_t>::max();
   const std::vector<std::pair<std::int64_t, std::int64_t>> ranges{
-      {5, 5}, {0, 1}, {-3, 3}, {100000, 100000 + (std::int64_t(1) << 32)}, {std::numeric_limits<std::int64_t>::min(), std::int64_t(1) << 62}};
+      {5, 5}, {0, 1}, {-3, 3}, {100000, 100000 + (std::int64_t(1) << 32)}, {kMin, std::int64_t(1) << 62}, {kMin, kMax}};
   for (std::uint64_t seed : {1ull, 20261127ull}) {
     CAPTURE(seed);
     for (const auto& [lo, hi] : ranges) {

@@ -23,8 +23,9 @@ struct Running {
   std::vector<int> tokens;  // prompt + output so far
   int fed = 0;              // tokens[0, fed) are in the cache
   int take = 0;             // tokens this step feeds
-  // tokens[0, prefill_end) are prefill: the prompt, and after a preemption the tokens it had cached and
-  // recomputes. A preempted sequence's next token (sampled, never fed) is a decode token, as it would have been.
+  // tokens[0, prefill_end) are prefill: the prompt, and after a preemption every token but the last, which were
+  // all fed once (however far a recompute got before a second preemption) and are recomputed. The last one, sampled
+  // and never fed, is a decode token, as it would have been.
   int prefill_end = 0;
   int pending() const { return static_cast<int>(tokens.size()) - fed; }
 };
@@ -182,8 +183,9 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
       if (results[r].output.empty() && results[r].preemptions == 0) results[r].cached_prompt_tokens = cached;
       stats.cached_prompt_tokens += cached;
       stats.recomputed_tokens += std::max(0, lost[r] - cached);
-      const int prefill_end = std::max(static_cast<int>(requests[r].prompt.size()), lost[r]);
       lost[r] = 0;
+      const int prefill_end = results[r].output.empty() ? static_cast<int>(requests[r].prompt.size())
+                                                        : static_cast<int>(tokens.size()) - 1;
       Running s{r, std::move(cache), std::move(tokens), cached, 0, prefill_end};
       s.tokens.reserve(requests[r].prompt.size() + requests[r].max_new_tokens);
       s.take = std::min(s.pending(), budget);

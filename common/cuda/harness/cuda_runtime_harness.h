@@ -40,6 +40,9 @@
 // never a hang. And what a GPU refuses at launch: a block of more than 1,024 threads, a grid of more than 65,535
 // blocks in y or z (2^31 - 1 in x), dynamic shared memory over 227 KB, or over 48 KB unless
 // cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ...) allowed that kernel as much.
+// Not modelled there: a kernel's static __shared__ bytes, which a GPU counts against the same limits (48 KB less
+// them without the attribute; the attribute plus them within the device's 227 KB). No kernel of the backend has
+// both: the tiled prefill's shared memory is all dynamic.
 // KVS_CUDA_HARNESS_ORDER=sequential (default) | reverse | random:SEED sets the order in which a launch's
 // blocks run, and the threads of a block between two synchronisation points: a missing barrier shows as a
 // wrong result under some order, and so does a kernel that expects a certain block to finish last.

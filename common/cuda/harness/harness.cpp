@@ -192,12 +192,13 @@ class Scheduler {
     const long threads = long(block.x) * block.y * block.z;
     if (threads < 1 || threads > kMaxThreadsPerBlock)
       fail(kernel, "a block of " + std::to_string(threads) + " threads (1 to " + std::to_string(kMaxThreadsPerBlock) + " allowed)");
-    if (long(grid.x) * grid.y * grid.z < 1) fail(kernel, "an empty grid");
     // CUDA's grid limits (compute capability 3.0 on): a launch past them fails with "invalid configuration".
+    // (Checked first: the product below then fits a long.)
     if (grid.x > kMaxGridX || grid.y > kMaxGridYZ || grid.z > kMaxGridYZ)
       fail(kernel, "a grid of (" + std::to_string(grid.x) + "," + std::to_string(grid.y) + "," + std::to_string(grid.z) +
                        ") blocks (at most " + std::to_string(kMaxGridX) + " in x, " + std::to_string(kMaxGridYZ) +
                        " in y and z)");
+    if (long(grid.x) * grid.y * grid.z < 1) fail(kernel, "an empty grid");
     if (dynamic_shared > kMaxDynamicShared)
       fail(kernel, std::to_string(dynamic_shared) + " bytes of dynamic shared memory (at most " +
                        std::to_string(kMaxDynamicShared) + ")");
