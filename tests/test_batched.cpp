@@ -719,7 +719,13 @@ TEST_CASE("08_paged_batching --experiment throughput --synthetic: a chosen shape
   CHECK(r.err.find("\n     1 ") != std::string::npos);
   CHECK(r.err.find("\n     3 ") != std::string::npos);
   CHECK(r.err.find("memory floor: the step's bytes at this machine's read bandwidth") != std::string::npos);
-  CHECK(r.err.find("roofline probes") == std::string::npos);  // on the host: not planned (experiments.h)
+  // The probes planned on the host too: 16 MiB of matrices and a buffer of the largest step's bytes (545.5 KiB of
+  // weights, 3 sequences' K/V of 5 KiB). Without them a limit of 45 MiB let the run allocate 55 MiB.
+  CHECK(r.err.find(" + roofline probes 16.5 MiB = 55.0 MiB") != std::string::npos);
+  const auto limited = test::run_command(bin + " --experiment throughput --synthetic 64,2,4,2 --threads 1 --prompt-lengths "
+                                               "8,8 --output-lengths 4,4 --batch-sizes 1,3 --memory-limit 45MiB");
+  CHECK(limited.exit_code == 2);
+  CHECK(limited.err.find("this run needs 55.0 MiB") != std::string::npos);
 #if defined(KVS_HAVE_CUDA_HARNESS)
   {  // Through the CUDA kernels the floor is the device's copy bandwidth: the host's memory is not the device's.
     const auto device = test::run_command(bin + " --backend cuda-harness --experiment throughput --synthetic 64,2,4,2 "

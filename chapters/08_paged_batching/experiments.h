@@ -33,8 +33,8 @@ void check_pools(const Setup& s, const std::string& experiment);
 
 int serve_trace(Setup& s);        // serve the trace once; every output checked against the request alone
 int throughput(Setup& s);         // decode step time and tokens/s per batch size, against the roofline
-// What throughput's roofline probes allocate beside the pool on a GPU, for the run's memory plan
-// (ch03::roofline_probe_bytes for the largest batch's step). 0 on the host.
+// What throughput's roofline probes allocate beside the pool, for the run's memory plan (ch03::roofline_probe_bytes
+// for the largest batch's step: on the host a buffer of its bytes to read, on a GPU two to copy between).
 std::int64_t throughput_probe_bytes(const Setup& s);
 int memory_waste(Setup& s);       // reserved vs live K/V per block size, and a max-length reservation
 int batching(Setup& s);           // continuous vs static batching on one trace
