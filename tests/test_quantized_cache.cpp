@@ -322,7 +322,8 @@ TEST_CASE("chapter 10: fp16 and bf16 caches keep fp32's greedy tokens on three p
   for (const char* text : {"And God said, Let there be light: and there was light. And God saw the light, ",
                            "In the beginning was the Word, and the Word was with God, ",
                            "Blessed are the poor in spirit: for theirs is the kingdom of heaven. "}) {
-    CAPTURE(text);
+    const std::string prompt_text = text;  // (a captured char* prints as its address)
+    CAPTURE(prompt_text);
     const std::vector<int> prompt = encode_bytes(text);
     const int positions = static_cast<int>(prompt.size()) + new_tokens;
     Model model(checkpoint, cpu, positions, positions);
@@ -351,7 +352,8 @@ TEST_CASE("chapter 10: fp16 and bf16 caches keep fp32's greedy tokens on three p
     // carried through 5 layers) times three; int4's rounding moves them by 0.6-1.3, and so would a wrong scale.
     const std::pair<KvFormat, float> kept[] = {{KvFormat::kFp16, 0.025f}, {KvFormat::kBf16, 0.15f}, {KvFormat::kInt8, 0.4f}};
     for (auto [format, tolerance] : kept) {
-      CAPTURE(std::string(to_string(format)));
+      const std::string format_name = to_string(format);
+      CAPTURE(format_name);
       const auto [first_mismatch, worst] = compare(run(format));
       MESSAGE(std::string(to_string(format)) << ": first token that differs: " << first_mismatch << " (-1: none in " << new_tokens
                                              << "), worst logit difference up to it " << worst);
