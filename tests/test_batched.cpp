@@ -741,7 +741,7 @@ TEST_CASE("08_paged_batching --experiment throughput --synthetic: a chosen shape
   const std::string size = r.err.substr(buffers + 16, r.err.find(" for ", buffers) - buffers - 16);  // e.g. "1.3 MiB"
   CAPTURE(size);
   CHECK((size.find("KiB") != std::string::npos || (size.find("MiB") != std::string::npos && std::stod(size) < 4)));
-  for (const char* other : {"", " --experiment serve", " --experiment memory", " --experiment break"}) {
+  for (const std::string other : {"", " --experiment serve", " --experiment memory", " --experiment break"}) {
     CAPTURE(other);
     const auto refused = test::run_command(bin + " --synthetic 64,2,4,2" + other);
     CHECK(refused.exit_code == 2);
@@ -801,7 +801,7 @@ TEST_CASE("08_paged_batching --experiment throughput --rounds: the median of the
     CHECK(column(rows[i], "step_ms_p50") <= column(rows[i], "round_p50_max_ms"));
     CHECK(column(rows[i], "step_ms_p50") <= column(rows[i], "step_ms_p99"));
   }
-  for (const char* other : {" --experiment serve --rounds 2", " --experiment memory --rounds 2", " --experiment throughput --rounds 0"}) {
+  for (const std::string other : {" --experiment serve --rounds 2", " --experiment memory --rounds 2", " --experiment throughput --rounds 0"}) {
     CAPTURE(other);
     const auto refused = test::run_command(bin + other);
     CHECK(refused.exit_code == 2);

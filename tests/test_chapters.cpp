@@ -404,7 +404,7 @@ TEST_CASE("03_benchmark --synthetic: random weights of a chosen shape, and shape
   CAPTURE(r.err);
   CHECK(r.exit_code == 0);
   CHECK(r.err.find("model synthetic: dim 64, 3 layers, 4 query heads / 2 KV heads of 16, hidden 256") != std::string::npos);
-  for (const char* shape : {"64,3,5,1", "64,3,4,3", "64,3", "64,3,4,x"}) {
+  for (const std::string shape : {"64,3,5,1", "64,3,4,3", "64,3", "64,3,4,x"}) {
     CAPTURE(shape);
     const auto bad = run_command(bench + " --synthetic " + shape);
     CHECK(bad.exit_code == 2);
@@ -471,7 +471,7 @@ TEST_CASE("03_benchmark --context-wall: caches grow until --memory-limit refuses
   CHECK(fits <= predicted);
   CHECK(predicted < refused);
   CHECK(refused - fits <= std::max(1LL, fits / 1000));
-  for (const char* flag : {"--lengths 8", "--breakdown", "--repeats 2", "--max-new-tokens 4"}) {
+  for (const std::string flag : {"--lengths 8", "--breakdown", "--repeats 2", "--max-new-tokens 4"}) {
     CAPTURE(flag);
     CHECK(run_command(bench + " " + flag).exit_code == 2);
   }
@@ -591,7 +591,7 @@ TEST_CASE("chapter 05: the default position follows the prompt's length") {
 TEST_CASE("chapter 06: the off-by-one cache fails the equivalence check the correct one passes, probes, bad shifts") {
   const std::string ch06 = binary("06_break_off_by_one") + " --model " + golden_path("mha.bin") + " --threads 1";
   kvs::test::TempDir dir;
-  for (const char* shift : {"1", "-1"}) {
+  for (const std::string shift : {"1", "-1"}) {
     CAPTURE(shift);
     const auto r = run_command(ch06 + " --max-new-tokens 40 --shift " + shift + " --csv " + dir.file("run.csv"));
     CAPTURE(r.err);

@@ -124,7 +124,7 @@ TEST_CASE("cli: sizes are whole bytes, at least one, and nothing is silently rou
   CHECK(parse_bytes("1.5G") == 3ll << 29);
   CHECK(parse_bytes("0.1GiB") == 107374182);  // 0.4 bytes of rounding is not noticeable
   CHECK(parse_bytes("1000000") == 1000000);
-  for (const char* bad : {"0", "0.5", "1e-9GiB", "-1MiB", "lots", "12XB", "", "inf"}) {
+  for (const std::string bad : {"0", "0.5", "1e-9GiB", "-1MiB", "lots", "12XB", "", "inf"}) {
     CAPTURE(bad);
     CHECK_THROWS_AS(parse_bytes(bad), std::invalid_argument);
   }

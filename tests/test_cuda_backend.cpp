@@ -266,9 +266,9 @@ TEST_CASE("cuda kernels: KVS_GEMV_MAX_TOKENS lowers the fused products' limit an
     CHECK(b->fused_tokens() == 8);
     unsetenv("KVS_GEMV_MAX_TOKENS");
     CHECK(test::make_test_backend(name)->fused_tokens() == 64);
-    for (const char* value : {"0", "65", "8x", "", "-1"}) {
+    for (const std::string value : {"0", "65", "8x", "", "-1"}) {
       CAPTURE(value);
-      setenv("KVS_GEMV_MAX_TOKENS", value, 1);
+      setenv("KVS_GEMV_MAX_TOKENS", value.c_str(), 1);
       CHECK_THROWS_WITH_AS(test::make_test_backend(name), doctest::Contains("expected a whole number from 1 to 64"),
                            std::invalid_argument);
     }
@@ -303,7 +303,7 @@ TEST_CASE("cuda kernels: every kernel's first statement is KVS_WAIT_FOR_PREVIOUS
     const std::size_t waits = source.find(wait, body);
     REQUIRE(waits != std::string::npos);
     const std::string before = source.substr(body, waits - body);
-    for (const char* name : {"a.x", "a.norm_weight", ".out", "x_tile", "accumulate", "__syncthreads"}) {
+    for (const std::string name : {"a.x", "a.norm_weight", ".out", "x_tile", "accumulate", "__syncthreads"}) {
       CAPTURE(name);
       CHECK(before.find(name) == std::string::npos);
     }
