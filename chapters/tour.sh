@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+[ $# -le 1 ] || { echo "usage: bash chapters/tour.sh [--skip-build]" >&2; exit 2; }
 case "${1:-}" in
   "") common/install-deps.sh build
       cmake --preset release >/dev/null

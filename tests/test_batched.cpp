@@ -724,6 +724,7 @@ TEST_CASE("08_paged_batching --experiment throughput --synthetic: a chosen shape
   CHECK(r.err.find(" + roofline probes 16.5 MiB = 55.0 MiB") != std::string::npos);
   const auto limited = test::run_command(bin + " --experiment throughput --synthetic 64,2,4,2 --threads 1 --prompt-lengths "
                                                "8,8 --output-lengths 4,4 --batch-sizes 1,3 --memory-limit 45MiB");
+  CAPTURE(limited.err);
   CHECK(limited.exit_code == 2);
   CHECK(limited.err.find("this run needs 55.0 MiB") != std::string::npos);
 #if defined(KVS_HAVE_CUDA_HARNESS)

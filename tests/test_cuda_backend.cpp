@@ -322,9 +322,9 @@ TEST_CASE("cuda kernels: KVS_PROGRAMMATIC_LAUNCH takes 0 or 1 and refuses anythi
       setenv("KVS_PROGRAMMATIC_LAUNCH", value, 1);
       CHECK_NOTHROW(test::make_test_backend(name));
     }
-    for (const char* value : {"2", "on", "", "01"}) {
+    for (const std::string value : {"2", "on", "", "01"}) {
       CAPTURE(value);
-      setenv("KVS_PROGRAMMATIC_LAUNCH", value, 1);
+      setenv("KVS_PROGRAMMATIC_LAUNCH", value.c_str(), 1);
       const std::string reason = std::string("KVS_PROGRAMMATIC_LAUNCH=") + value + ": expected 0 (";
       CHECK_THROWS_WITH_AS(test::make_test_backend(name), doctest::Contains(reason.c_str()), std::invalid_argument);
     }

@@ -129,7 +129,7 @@ struct OrderGuard {
 
 TEST_CASE("cuda harness: a shared-memory reduction with its barriers is right under every thread order") {
   OrderGuard guard;
-  for (const char* order : {"sequential", "reverse", "random:1", "random:2"}) {
+  for (const std::string order : {"sequential", "reverse", "random:1", "random:2"}) {
     CAPTURE(order);
     kvs::cuda_harness::set_thread_order(order);
     CHECK(run_tree_sum(true) == 256.0f * 257.0f / 2.0f);

@@ -55,7 +55,7 @@ void check_replayed_steps(std::initializer_list<const char*> kinds) {
     // Chapter 03's cache, and chapter 04's ring in both position variants: a window of 16 with 4 sinks,
     // which the text wraps many times (prefill in chunks of 8: the ring holds 16 + 8 - 1 slots).
     const Window window{16, 4};
-    for (const char* kind : kinds) {
+    for (const std::string kind : kinds) {
       CAPTURE(kind);
       auto make_cache = [&]() -> std::unique_ptr<KvCache> {
         const std::string k = kind;
