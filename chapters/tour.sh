@@ -7,12 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-[ $# -le 1 ] || { echo "usage: bash chapters/tour.sh [--skip-build]" >&2; exit 2; }
-case "${1:-}" in
-  "") common/install-deps.sh build
+case "$#:${1:-}" in
+  0:) common/install-deps.sh build
       cmake --preset release >/dev/null
       cmake --build --preset release ;;
-  --skip-build) ;;
+  1:--skip-build) ;;
   *) echo "usage: bash chapters/tour.sh [--skip-build]" >&2; exit 2 ;;
 esac
 bin=build/release/bin

@@ -253,22 +253,24 @@ void write_checkpoint(const std::string& path, const ModelConfig& c, const HostW
     ReplacingFile out(path, path);
     auto put = [&out](const float* data, std::size_t floats) { out.write(data, floats * sizeof(float)); };
     out.write(header, sizeof header);
-    for (const TensorShape& shape : shapes)  // sizes checked above
-      if (!is_classifier(shape)) put((w.*shape.host).data(), (w.*shape.host).size());
-    // The two legacy tables llama2.c once read: cos then sin of every (position, pair), before the classifier.
-    // Kept for the format.
-    const int pairs = c.head_dim() / 2;
-    std::vector<float> cos_table(legacy_rope_floats(c) / 2), sin_table(cos_table.size());  // (seq_len, pairs) each
-    for (int pos = 0; pos < c.seq_len; ++pos)
-      for (int p = 0; p < pairs; ++p) {
-        float cs[2];
-        rope_cos_sin(pos, p, c.head_dim(), cs);
-        cos_table[std::size_t(pos) * pairs + p] = cs[0];
-        sin_table[std::size_t(pos) * pairs + p] = cs[1];
+    for (const TensorShape& shape : shapes) {  // sizes checked above; the walk point_at_tensors makes
+      if (is_classifier(shape)) {
+        // The two legacy tables llama2.c once read: cos then sin of every (position, pair). Kept for the format.
+        const int pairs = c.head_dim() / 2;
+        std::vector<float> cos_table(legacy_rope_floats(c) / 2), sin_table(cos_table.size());  // (seq_len, pairs) each
+        for (int pos = 0; pos < c.seq_len; ++pos)
+          for (int p = 0; p < pairs; ++p) {
+            float cs[2];
+            rope_cos_sin(pos, p, c.head_dim(), cs);
+            cos_table[std::size_t(pos) * pairs + p] = cs[0];
+            sin_table[std::size_t(pos) * pairs + p] = cs[1];
+          }
+        put(cos_table.data(), cos_table.size());
+        put(sin_table.data(), sin_table.size());
+        if (c.shared_classifier) break;
       }
-    put(cos_table.data(), cos_table.size());
-    put(sin_table.data(), sin_table.size());
-    if (!c.shared_classifier) put(w.classifier.data(), w.classifier.size());
+      put((w.*shape.host).data(), (w.*shape.host).size());
+    }
     out.commit();
   } catch (const std::runtime_error& e) {
     throw CheckpointError(e.what());  // the message names the file

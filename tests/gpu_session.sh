@@ -214,7 +214,7 @@ step_chapters() {
 step_transcripts() {
   # Book 07's GPU transcripts and their CSVs are named for the H100 they were captured on: another card's numbers
   # would land under that name.
-  if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "H100"; then
+  if ! grep -q "H100" "$out/gpu.txt"; then  # the card named at the start of the session
     echo "transcripts: skipped, this GPU is not an H100 (book 07's GPU transcripts and CSVs are the H100's)"
     step_done transcripts; return
   fi

@@ -40,6 +40,17 @@ std::vector<int> shuffled_blocks(int rows, int block_size, std::mt19937& gen) {
   return blocks;
 }
 
+// The token accounting of a serve run: every prompt position fed once, every recomputed position once more, and
+// every generated token but the last (it is never fed) once as a decode token - the prefill count exactly the
+// first two, a preempted sequence's next token not among them.
+void check_token_accounting(const std::vector<Request>& requests, const RunStats& stats) {
+  long prompts = 0, decodes = 0, fed = 0;
+  for (const Request& r : requests) prompts += long(r.prompt.size()), decodes += r.max_new_tokens - 1;
+  for (int t : stats.step_tokens) fed += t;
+  CHECK(stats.prefill_tokens == prompts + stats.recomputed_tokens);
+  CHECK(fed == prompts + stats.recomputed_tokens + decodes);
+}
+
 }  // namespace
 
 TEST_CASE("block table: each position's physical row and each run's end, by brute force, across block boundaries") {
@@ -593,14 +604,7 @@ TEST_CASE("scheduler: every request's greedy tokens equal the request served alo
         CHECK(results[i].output == expected[i]);
       }
       CHECK(pool.free_blocks() == pool.blocks());  // every block back when every request has finished
-      // The token accounting: every prompt position once, every recomputed position once more, and every
-      // generated token but the last (it is never fed) once as a decode token - the prefill count exactly the
-      // first two, a preempted sequence's next token not among them.
-      long prompts = 0, decodes = 0, fed = 0;
-      for (const Request& r : requests) prompts += long(r.prompt.size()), decodes += r.max_new_tokens - 1;
-      for (int t : stats.step_tokens) fed += t;
-      CHECK(stats.prefill_tokens == prompts + stats.recomputed_tokens);
-      CHECK(fed == prompts + stats.recomputed_tokens + decodes);
+      check_token_accounting(requests, stats);
       if (tight) CHECK(stats.preemptions > 0);
       else CHECK(stats.preemptions == 0);
       CHECK(stats.peak_running > 1);
@@ -632,12 +636,8 @@ TEST_CASE("scheduler: the prefill count is the prompts plus the recomputed token
     std::vector<Request> requests;
     for (int i = 0; i < 8; ++i)
       requests.push_back(Request{encode_bytes(text.substr(3000 + 500 * i, 6 + 3 * (i % 4))), 30 + 7 * (i % 3), gap * i});
-    long prompts = 0, decodes = 0;
     int longest = 0;
-    for (const Request& r : requests) {
-      prompts += long(r.prompt.size()), decodes += r.max_new_tokens - 1;
-      longest = std::max(longest, int(r.prompt.size()) + r.max_new_tokens);
-    }
+    for (const Request& r : requests) longest = std::max(longest, int(r.prompt.size()) + r.max_new_tokens);
     for (int budget : {8, 16})
       for (int spare : {8, 16}) {
         CAPTURE(gap);
@@ -646,10 +646,7 @@ TEST_CASE("scheduler: the prefill count is the prompts plus the recomputed token
         BlockPool pool(cpu, model.config(), blocks_needed(longest, 4) + spare, 4, 8, model.config().seq_len);
         std::vector<RequestResult> results;
         const RunStats stats = serve(model, pool, requests, SchedulerOptions{.max_batch = 8, .token_budget = budget}, results);
-        long fed = 0;
-        for (int t : stats.step_tokens) fed += t;
-        CHECK(stats.prefill_tokens == prompts + stats.recomputed_tokens);
-        CHECK(fed == prompts + stats.recomputed_tokens + decodes);
+        check_token_accounting(requests, stats);
         for (const RequestResult& r : results) most_preemptions = std::max(most_preemptions, r.preemptions);
       }
   }

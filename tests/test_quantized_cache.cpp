@@ -355,7 +355,7 @@ TEST_CASE("chapter 10: fp16 and bf16 caches keep fp32's greedy tokens on three p
       const std::string format_name = to_string(format);
       CAPTURE(format_name);
       const auto [first_mismatch, worst] = compare(run(format));
-      MESSAGE(std::string(to_string(format)) << ": first token that differs: " << first_mismatch << " (-1: none in " << new_tokens
+      MESSAGE(format_name << ": first token that differs: " << first_mismatch << " (-1: none in " << new_tokens
                                              << "), worst logit difference up to it " << worst);
       CHECK(worst <= tolerance);
       if (first_mismatch < 0) continue;

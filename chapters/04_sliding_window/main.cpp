@@ -119,8 +119,7 @@ int main(int argc, char** argv) {
        {"--context", {"perplexity"}},
        {"--stream-bytes", {"stream"}}});
   parser.add_check([&] {  // with none, nothing goes through the window (generation stops before the prefill)
-    if (options.max_new_tokens >= 1 || experiment == "perplexity" || experiment == "recall" || experiment == "induction" ||
-        experiment == "stream")
+    if (options.max_new_tokens >= 1 || std::ranges::find(sampling, experiment) == sampling.end())  // not read there
       return std::string();
     return std::string("--max-new-tokens: at least 1 (what the window does shows as tokens go through it)");
   });
@@ -204,11 +203,11 @@ int main(int argc, char** argv) {
                              experiment == "generate" ? std::string()
                                                       : kvs::read_input_file("the held-out text",
                                                                              kvs::find_data_file("kjv/valid.txt"), 1u << 30)};
-    if ((experiment == "recall" || experiment == "induction") &&
-        longest_distance > kvs::ch04::longest_recall_distance(lab.held_out))
-      throw kvs::UsageError("--distances " + std::to_string(longest_distance) + ": the filler between the copies comes from "
-                            "the held-out text's second half, each passage's from its own place; give distances of at "
-                            "most " + std::to_string(kvs::ch04::longest_recall_distance(lab.held_out)));
+    if (experiment == "recall" || experiment == "induction")
+      if (const int longest_possible = kvs::ch04::longest_recall_distance(lab.held_out); longest_distance > longest_possible)
+        throw kvs::UsageError("--distances " + std::to_string(longest_distance) + ": the filler between the copies comes "
+                              "from the held-out text's second half, each passage's from its own place; give distances of "
+                              "at most " + std::to_string(longest_possible));
     if (experiment == "generate" || experiment == "memory" || experiment == "samples")
       check_fits(prompt_tokens, options.max_new_tokens);
     if (experiment == "fluency") check_fits(1024, options.max_new_tokens);  // its own prompts, 1024 bytes (not --prompt)

@@ -25,17 +25,24 @@ void AttentionOnPosition::on_attention(int layer, int, int n, const KvView& view
   }
 }
 
+namespace {
+void check_range(const std::string& flag, int value, int end, const std::string& what) {
+  if (value < 0 || value >= end)
+    throw UsageError(flag + " " + std::to_string(value) + " is out of range: " + what + " 0.." + std::to_string(end - 1));
+}
+}  // namespace
+
+void check_kv_head(const Corruption& c, const ModelConfig& config) {
+  check_range("--kv-head", c.kv_head, config.n_kv_heads, "the model has KV heads");
+}
+
 void check_corruption(const Corruption& c, const ModelConfig& config, int prompt_len, int new_tokens) {
-  auto range = [](const std::string& flag, int value, int end, const std::string& what) {
-    if (value < 0 || value >= end)
-      throw UsageError(flag + " " + std::to_string(value) + " is out of range: " + what + " 0.." + std::to_string(end - 1));
-  };
-  range("--layer", c.layer, config.n_layers, "the model has layers");
-  range("--kv-head", c.kv_head, config.n_kv_heads, "the model has KV heads");
-  range("--at-step", c.at_step, std::max(1, new_tokens - 1),
+  check_range("--layer", c.layer, config.n_layers, "the model has layers");
+  check_kv_head(c, config);
+  check_range("--at-step", c.at_step, std::max(1, new_tokens - 1),
         "a corruption must happen before the last of the " + std::to_string(new_tokens) + " new tokens, at steps");
   const int cached = prompt_len + c.at_step;  // positions in the cache right after token at_step is produced
-  range("--position", c.position, cached,
+  check_range("--position", c.position, cached,
         "at step " + std::to_string(c.at_step) + " the cache holds positions");
 }
 

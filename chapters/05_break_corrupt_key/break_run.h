@@ -57,6 +57,8 @@ BreakRun run_greedy(Model& model, std::span<const int> prompt, int new_tokens, c
 // Checks a corruption against the model and the run: a layer, KV head and position it has, a position
 // already cached at the step it is corrupted at, a step within the run. Throws UsageError naming the flag.
 void check_corruption(const Corruption& c, const ModelConfig& config, int prompt_len, int new_tokens);
+// The KV head alone (the sweep picks layers and positions itself): UsageError naming --kv-head.
+void check_kv_head(const Corruption& c, const ModelConfig& config);
 
 // The default --position: kDefaultDistance positions before the newest one the cache holds when the
 // corruption happens (right after generated token at_step: prompt_len + at_step positions cached) - position

@@ -119,9 +119,8 @@ int main(int argc, char** argv) {
     if (experiment == "run") {  // checked before anything is printed: a refusal is one line
       if (!parser.given("--position")) corruption.position = kvs::ch05::default_position(prompt_len, corruption.at_step);
       kvs::ch05::check_corruption(corruption, c, prompt_len, options.max_new_tokens);
-    } else if (corruption.kv_head < 0 || corruption.kv_head >= c.n_kv_heads) {
-      throw kvs::UsageError("--kv-head " + std::to_string(corruption.kv_head) + " is out of range: the model has KV heads "
-                            "0.." + std::to_string(c.n_kv_heads - 1));
+    } else {
+      kvs::ch05::check_kv_head(corruption, c);
     }
     // Both outputs checked before anything is printed (a refusal is one line): the run's steps and contamination,
     // or the sweep's runs and KL curves. Neither may be an input, nor the other.

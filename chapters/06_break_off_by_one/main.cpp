@@ -104,16 +104,18 @@ void probes(kvs::Runtime& rt, const std::string& held_out, int shift, int prompt
   const int longest = lengths.back();
   // Prompts of 16 to 256 bytes (at most max_prompt_bytes) from line starts spread over the held-out text.
   std::vector<std::vector<int>> texts;
+  std::size_t longest_prompt = 0;
   for (int k = 0; k < prompts; ++k) {
     std::size_t at = held_out.find('\n', held_out.size() * k / prompts);
     const std::size_t bytes = std::min(std::size_t(16) << (k % 5), std::size_t(max_prompt_bytes));
     if (at == std::string::npos || at + 1 + bytes > held_out.size()) throw std::runtime_error("the held-out text is too short");
     texts.push_back(kvs::encode_bytes(held_out.substr(at + 1, bytes)));
+    longest_prompt = std::max(longest_prompt, bytes);
   }
   std::fprintf(stderr, "%d prompts of %d-%d held-out bytes, one greedy run of %d tokens each through the correct and the "
                        "off-by-one (%+d) cache; a probe of n tokens passes if the equivalence check passes its first n "
                        "steps\n", prompts, std::min(16, max_prompt_bytes),
-               std::min(16 << std::min(prompts - 1, 4), max_prompt_bytes), longest, shift);  // the longest prompt made
+               static_cast<int>(longest_prompt), longest, shift);
   std::vector<int> token_passes(lengths.size()), full_passes(lengths.size());
   kvs::Progress progress("probes", "prompts");
   for (int k = 0; k < prompts; ++k) {

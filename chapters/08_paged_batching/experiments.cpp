@@ -87,6 +87,11 @@ std::vector<std::vector<int>> outputs_of(const std::vector<RequestResult>& resul
 }  // namespace
 
 namespace {
+// The step the last request arrives at (a trace need not be in order).
+int last_arrival(const std::vector<Request>& requests) {
+  return std::ranges::max(requests, {}, &Request::arrival_step).arrival_step;
+}
+
 // The blocks of `block_size` positions `bytes` hold (UsageError when not even one).
 int pool_blocks(const Setup& s, int block_size, std::int64_t bytes) {
   const std::int64_t per_block = BlockPool::block_bytes(s.rt.model.config(), block_size, s.format);
@@ -283,7 +288,7 @@ int memory_waste(Setup& s) {
   std::vector<int> sizes = s.block_sizes;
   sizes.push_back(c.seq_len);  // one block of the whole context a sequence: a max-length reservation
   const SchedulerOptions options = memory_options(s);
-  const int latest = std::ranges::max(s.requests, {}, &Request::arrival_step).arrival_step;
+  const int latest = last_arrival(s.requests);
   std::fprintf(stderr, "%zu requests, %s, in a pool of %s; the last row reserves the model's whole context "
                        "(%d positions) per sequence, as a preallocated cache per sequence must\n", s.requests.size(),
                latest == 0 ? "all at step 0" : ("arriving over " + std::to_string(latest) + " steps").c_str(),
@@ -314,7 +319,7 @@ int memory_waste(Setup& s) {
 int batching(Setup& s) {
   std::fprintf(stderr, "%zu requests arriving over %d steps, up to %d sequences a step, blocks of %d in %s\n",
                s.requests.size(),
-               std::ranges::max(s.requests, {}, &Request::arrival_step).arrival_step,  // a trace need not be in order
+               last_arrival(s.requests),
                s.options.max_batch, s.block_size,
                format_bytes(double(s.kv_memory)).c_str());
   std::fprintf(stderr, "%11s %7s %10s %10s %12s %12s %10s %10s\n", "batching", "steps", "total", "tokens/s", "latency mean",

@@ -18,6 +18,9 @@ namespace {
 
 std::int64_t block_bytes(const Setup& s) { return kv_cache_bytes(s.rt.model.config(), s.block_size); }
 
+// Where the prefix experiment's request i takes its question from the held-out text.
+std::size_t question_offset(std::size_t i) { return 100000 + 1499 * i; }
+
 // A pool of `blocks` blocks for up to `sequences` sequences at once, each up to the model's context.
 ch08::BlockPool make_pool(Setup& s, int blocks, int sequences) {
   return ch08::BlockPool(s.rt.backend, s.rt.model.config(), blocks, s.block_size, sequences, s.rt.model.config().seq_len);
@@ -144,7 +147,7 @@ int shared_prefix(Setup& s) {
   for (int n : s.counts) {
     std::vector<ch08::Request> requests;
     for (int i = 0; i < n; ++i)
-      requests.push_back(ch08::Request{encode_bytes(document + s.text.substr(100000 + 1499 * std::size_t(i), s.question_length)),
+      requests.push_back(ch08::Request{encode_bytes(document + s.text.substr(question_offset(std::size_t(i)), s.question_length)),
                                        s.new_tokens, i == 0 ? 0 : warm});
     const int blocks = n * blocks_needed(prompt_length + s.new_tokens, s.block_size);  // everyone, unshared
     const ch08::SchedulerOptions options{.max_batch = std::min(n, s.token_budget), .token_budget = s.token_budget};
@@ -219,7 +222,7 @@ std::int64_t largest_pool_bytes(const Setup& s, const std::string& experiment) {
 void check_prefix(const Setup& s) {
   // Request i's question: question_length bytes from byte 100,000 + 1,499 i of the held-out text.
   const std::size_t largest = std::size_t(std::ranges::max(s.counts));
-  if (100000 + 1499 * (largest - 1) + s.question_length > s.text.size())
+  if (question_offset(largest - 1) + s.question_length > s.text.size())
     throw UsageError("--counts up to " + std::to_string(largest) + " with --question-length " +
                      std::to_string(s.question_length) + ": request i's question starts at byte 100,000 + 1,499 i of the "
                      "held-out text, which has " + std::to_string(s.text.size()) + " bytes; give fewer requests or "

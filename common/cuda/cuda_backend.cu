@@ -1042,9 +1042,10 @@ int decode_tile(int group) {
   return 1;
 }
 
-unsigned blocks_for(std::size_t count) {
-  return static_cast<unsigned>(std::min<std::size_t>((count + kThreads - 1) / kThreads, kMaxBlocks));
-}
+// A thread per element: for kernels without a stride loop (the RoPE table's and the rotation's).
+unsigned blocks_for_each(std::size_t count) { return static_cast<unsigned>((count + kThreads - 1) / kThreads); }
+// Capped at kMaxBlocks: for grid-stride kernels.
+unsigned blocks_for(std::size_t count) { return std::min<unsigned>(blocks_for_each(count), kMaxBlocks); }
 
 // Every operation is queued on the backend's own stream (the legacy default stream cannot be captured);
 // the copies to the host wait for it.
@@ -1187,14 +1188,12 @@ class CudaBackend final : public Backend {
   void rope_table(float* table, const int* positions, int n, int head_dim) override {
     // A thread per (position, pair), not blocks_for's capped grid: the kernel has no stride loop, and a prefill of
     // 16,385 positions with heads of 128 (over 4,096 blocks) left the table's later rows unwritten.
-    const std::size_t threads = std::size_t(n) * (head_dim / 2);
-    KVS_LAUNCH(rope_table_kernel, dim3(static_cast<unsigned>((threads + kThreads - 1) / kThreads)), dim3(kThreads), 0,
-               queue_, table, positions, n, head_dim);
+    KVS_LAUNCH(rope_table_kernel, dim3(blocks_for_each(std::size_t(n) * (head_dim / 2))), dim3(kThreads), 0, queue_,
+               table, positions, n, head_dim);
   }
   void rope(float* x, const float* table, int n, int heads, int head_dim) override {
-    const std::size_t threads = std::size_t(n) * heads * head_dim / 2;
-    KVS_LAUNCH(rope_kernel, dim3(static_cast<unsigned>((threads + kThreads - 1) / kThreads)), dim3(kThreads), 0, queue_,
-               x, table, n, heads, head_dim);
+    KVS_LAUNCH(rope_kernel, dim3(blocks_for_each(std::size_t(n) * heads * head_dim / 2)), dim3(kThreads), 0, queue_, x,
+               table, n, heads, head_dim);
   }
   void attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
                  const AttentionShape& shape, std::span<float> scratch, float* weights) override {

@@ -274,22 +274,23 @@ cudaError_t cudaGraphGetNodes(cudaGraph_t graph, cudaGraphNode_t* nodes, std::si
 cudaError_t cudaGraphDestroy(cudaGraph_t graph);
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
 const char* cudaGetErrorString(cudaError_t error);
-// The device's attributes the backend asks for: the harness's shared memory has no limit; it says an H100's.
+// What a block may have of dynamic shared memory: an H100's limit (the harness's launch checks hold kernels to it).
+constexpr std::size_t kHarnessMaxDynamicShared = 227 * 1024;
+// The device's attributes the backend asks for: an H100's.
 enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
 inline cudaError_t cudaGetDevice(int* device) {
   *device = 0;
   return cudaSuccess;
 }
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) {
-  *value = 227 * 1024;
+  *value = static_cast<int>(kHarnessMaxDynamicShared);
   return cudaSuccess;
 }
 // A kernel's attributes (the dynamic shared memory it may ask for).
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 template <class Kernel>
-cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute attribute, int value) {
-  if (attribute != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 || value > 227 * 1024)
-    return cudaErrorInvalidValue;
+cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute, int value) {
+  if (value < 0 || std::size_t(value) > kHarnessMaxDynamicShared) return cudaErrorInvalidValue;
   kvs::cuda_harness::set_max_dynamic_shared(reinterpret_cast<const void*>(kernel), std::size_t(value));
   return cudaSuccess;
 }

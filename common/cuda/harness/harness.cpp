@@ -43,7 +43,7 @@ constexpr const char* kNoWait =
     "before the kernel ahead of it has finished)";
 constexpr int kMaxThreadsPerBlock = 1024;
 constexpr unsigned kMaxGridX = 2147483647u, kMaxGridYZ = 65535u;
-constexpr std::size_t kMaxDynamicShared = 227 * 1024;  // an H100's per-block limit
+constexpr std::size_t kMaxDynamicShared = kHarnessMaxDynamicShared;  // an H100's per-block limit
 constexpr std::size_t kDefaultDynamicShared = 48 * 1024;  // what a kernel gets without cudaFuncSetAttribute
 #if defined(__SANITIZE_ADDRESS__)
 constexpr std::size_t kStackBytes = 512 * 1024;  // ASan's redzones make frames larger
