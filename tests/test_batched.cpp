@@ -681,6 +681,31 @@ TEST_CASE("scheduler: a watermark keeps blocks free at admission while sequences
   }
 }
 
+// More sequences allowed than a step has tokens: every sequence of a step brings at least one token, so no more than
+// token_budget ever run at once, and the scheduler counts that many slots a step (SchedulerOptions::batch_limit), not
+// max_batch's 64 (which had called 61 slots a step idle while requests waited); a pool with block tables for the
+// limit's 3 sequences serves it. (The scheduler used to refuse max_batch above the model's call size, so each
+// caller clamped it.) Outputs equal each request alone.
+TEST_CASE("scheduler: max_batch above the token budget runs and counts at most the budget's sequences") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  const std::string text = test::validation_text();
+  CpuBackend cpu(1);
+  Model model(checkpoint, cpu, 3, checkpoint.config().seq_len);
+  std::vector<Request> requests;
+  for (int i = 0; i < 6; ++i) requests.push_back(Request{encode_bytes(text.substr(2000 + 400 * i, 5 + i % 2)), 4 + i % 3, 0});
+  const SchedulerOptions options{.max_batch = 64, .token_budget = 3};
+  REQUIRE(options.batch_limit() == 3);
+  BlockPool pool(cpu, model.config(), 100, 4, options.batch_limit(), model.config().seq_len);
+  std::vector<RequestResult> results;
+  const RunStats stats = serve(model, pool, requests, options, results);
+  for (std::size_t i = 0; i < requests.size(); ++i) CHECK(results[i].output == serve_alone(model, requests[i]));
+  CHECK(stats.peak_running == 3);
+  CHECK(stats.slot_steps == 3L * stats.steps);
+  CHECK(stats.idle_slot_steps > 0);  // requests did wait for a slot...
+  CHECK(stats.idle_slot_steps < stats.slot_steps);  // ...not in every slot of every step
+  check_token_accounting(requests, stats);
+}
+
 // The binary's preemption experiment: the small pool at watermarks 0, 1, 2, 4 and 8 (counts deterministic for
 // these requests: 3 preemptions without a watermark, none with 8), every output the unconstrained run's; and
 // --watermark refused there with one line, since the experiment sets it itself.

@@ -134,7 +134,7 @@ void check_pools(const Setup& s, const std::string& experiment) {
 }
 
 int serve_trace(Setup& s) {
-  BlockPool pool = make_pool(s, s.block_size, s.kv_memory, s.options.max_batch);
+  BlockPool pool = make_pool(s, s.block_size, s.kv_memory, s.options.batch_limit());
   std::fprintf(stderr, "%zu requests, %s batching of up to %d sequences and %d tokens a step; a pool of %d blocks of %d "
                        "positions (%s)\n", s.requests.size(), to_string(s.options.batching), s.options.max_batch,
                s.options.token_budget, pool.blocks(), pool.block_size(), format_bytes(double(pool.allocated_bytes())).c_str());
@@ -298,7 +298,7 @@ int memory_waste(Setup& s) {
   CsvWriter csv({"--csv", s.csv}, "block_size,blocks,reserved_bytes_mean,live_bytes_mean,waste_share,largest_batch,preemptions,tokens_per_s,steps",
                 s.rt.inputs());
   for (int block_size : sizes) {
-    BlockPool pool = make_pool(s, block_size, s.kv_memory, options.max_batch);
+    BlockPool pool = make_pool(s, block_size, s.kv_memory, options.batch_limit());
     std::vector<RequestResult> results;
     Progress progress("block size " + std::to_string(block_size), "requests finished");
     const RunStats stats = serve(s.rt.model, pool, s.requests, options, results, report_to(progress));
@@ -329,7 +329,7 @@ int batching(Setup& s) {
   for (Batching b : {Batching::kContinuous, Batching::kStatic}) {
     SchedulerOptions options = s.options;
     options.batching = b;
-    BlockPool pool = make_pool(s, s.block_size, s.kv_memory, options.max_batch);
+    BlockPool pool = make_pool(s, s.block_size, s.kv_memory, options.batch_limit());
     std::vector<RequestResult> results;
     Progress progress(to_string(b), "requests finished");
     const RunStats stats = serve(s.rt.model, pool, s.requests, options, results, report_to(progress));
@@ -367,7 +367,7 @@ int preemption(Setup& s) {
   };
   for (const Run run : {Run{everyone, 0}, Run{s.kv_memory, 0}, Run{s.kv_memory, 1}, Run{s.kv_memory, 2},
                         Run{s.kv_memory, 4}, Run{s.kv_memory, 8}}) {
-    BlockPool pool = make_pool(s, s.block_size, run.bytes, s.options.max_batch);
+    BlockPool pool = make_pool(s, s.block_size, run.bytes, s.options.batch_limit());
     std::vector<RequestResult> results;
     Progress progress(format_bytes(double(run.bytes)) + " pool", "requests finished");
     SchedulerOptions options = s.options;
@@ -395,14 +395,14 @@ int break_double_free(Setup& s) {
   if (s.requests.size() < 2) throw UsageError("--experiment break needs at least two requests: one to finish, one to suffer");
   std::vector<RequestResult> expected_results;
   {
-    BlockPool pool = make_pool(s, s.block_size, s.kv_memory, s.options.max_batch);
+    BlockPool pool = make_pool(s, s.block_size, s.kv_memory, s.options.batch_limit());
     serve(s.rt.model, pool, s.requests, s.options, expected_results);
   }
   const std::vector<std::vector<int>> expected = outputs_of(expected_results);
   // The same run, with the pool's double free armed once the first request has finished: the next block given
   // back goes on the free list twice, and two later sequences that need a block are both handed it.
   auto broken_run = [&](bool audit, int& armed_at, std::vector<RequestResult>& results) {
-    BlockPool pool = make_pool(s, s.block_size, s.kv_memory, s.options.max_batch);
+    BlockPool pool = make_pool(s, s.block_size, s.kv_memory, s.options.batch_limit());
     SchedulerOptions options = s.options;
     options.audit_blocks = audit;
     armed_at = -1;

@@ -36,9 +36,9 @@ void check_requests(const Model& model, int pool_positions, const std::vector<Re
                     const SchedulerOptions& options) {
   if (options.max_batch < 1 || options.token_budget < 1)
     throw std::invalid_argument("the scheduler: a step needs room for at least one sequence and one token");
-  if (options.token_budget > model.max_tokens_per_call() || options.max_batch > model.max_tokens_per_call())
-    throw std::invalid_argument("the scheduler: a step of " + std::to_string(options.token_budget) + " tokens and " +
-                                std::to_string(options.max_batch) + " sequences; the model was set up for calls of " +
+  if (options.token_budget > model.max_tokens_per_call())
+    throw std::invalid_argument("the scheduler: a step of " + std::to_string(options.token_budget) +
+                                " tokens; the model was set up for calls of " +
                                 std::to_string(model.max_tokens_per_call()) + " tokens");
   for (std::size_t i = 0; i < requests.size(); ++i) {
     const Request& r = requests[i];
@@ -119,7 +119,7 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
   std::vector<int> lost(requests.size(), 0);               // and how many of them it had cached
   std::vector<Running> running;         // in admission order
   std::vector<SequenceStep> batch;      // this step's forward pass
-  batch.reserve(options.max_batch);
+  batch.reserve(options.batch_limit());
   std::vector<const PagedSequence*> audited;
   int next_arrival = 0, finished = 0;
   const Stopwatch clock;
@@ -165,7 +165,7 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
     }
     // 3. admissions
     const bool may_admit = options.batching == Batching::kContinuous || running.empty();
-    while (may_admit && !waiting.empty() && static_cast<int>(running.size()) < options.max_batch && budget > 0) {
+    while (may_admit && !waiting.empty() && static_cast<int>(running.size()) < options.batch_limit() && budget > 0) {
       const int r = waiting.front();
       std::vector<int> tokens = resume[r].empty() ? requests[r].prompt : std::move(resume[r]);
       const int before = caches.available_blocks();
@@ -192,8 +192,8 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
       free_blocks -= s.cache->blocks_to_grow(s.take), budget -= s.take;
       running.push_back(std::move(s));
     }
-    stats.idle_slot_steps += std::min<long>(options.max_batch - long(running.size()), long(waiting.size()));
-    stats.slot_steps += options.max_batch;
+    stats.idle_slot_steps += std::min<long>(options.batch_limit() - long(running.size()), long(waiting.size()));
+    stats.slot_steps += options.batch_limit();
 
     // 4. one forward pass over every sequence with tokens this step, then sampling.
     batch.clear();

@@ -41,6 +41,10 @@ struct SchedulerOptions {
   Batching batching = Batching::kContinuous;
   int max_batch = 64;      // sequences in one step
   int token_budget = 256;  // tokens in one step, decode tokens and prefill chunks together
+  // The most sequences a step runs: max_batch, or the budget where that is smaller, since every sequence of a step
+  // brings at least one token. The scheduler admits up to this many and counts its slots; a pool for these options
+  // needs block tables for this many sequences.
+  int batch_limit() const { return std::min(max_batch, token_budget); }
   // Blocks an admission must leave free while other sequences run (vLLM's watermark): a request admitted into
   // the pool's last free blocks is the first preempted when the running ones grow (the most recently admitted
   // goes first), its prefill thrown away; a few blocks held back give the running sequences room to grow. With
@@ -131,7 +135,7 @@ struct RunStats {
   // K/V (live). reserved - live is the internal fragmentation: the unused tails of last blocks.
   double reserved_position_steps = 0, live_position_steps = 0;
   long idle_slot_steps = 0;      // sequence slots left empty while an arrived request waited
-  long slot_steps = 0;           // max_batch · steps
+  long slot_steps = 0;           // batch_limit() · steps
   double tokens_per_s() const { return wall_ms > 0 ? 1000.0 * generated_tokens / wall_ms : 0.0; }
 };
 

@@ -42,7 +42,7 @@ struct Served {
 // Serves `requests` with chapter 08's caches (share false) or a prefix cache over an equal pool.
 Served serve_with(Setup& s, const std::vector<ch08::Request>& requests, int blocks, bool share,
                   const ch08::SchedulerOptions& options, PrefixCacheStats* cache_stats, const std::string& what) {
-  ch08::BlockPool pool = make_pool(s, blocks, options.max_batch);
+  ch08::BlockPool pool = make_pool(s, blocks, options.batch_limit());
   Served run;
   int peak = 0;
   Progress progress(what, "requests finished");
@@ -150,7 +150,7 @@ int shared_prefix(Setup& s) {
       requests.push_back(ch08::Request{encode_bytes(document + s.text.substr(question_offset(std::size_t(i)), s.question_length)),
                                        s.new_tokens, i == 0 ? 0 : warm});
     const int blocks = n * blocks_needed(prompt_length + s.new_tokens, s.block_size);  // everyone, unshared
-    const ch08::SchedulerOptions options{.max_batch = std::min(n, s.token_budget), .token_budget = s.token_budget};
+    const ch08::SchedulerOptions options{.max_batch = n, .token_budget = s.token_budget};
     const Served alone = serve_with(s, requests, blocks, false, options, nullptr, "N = " + std::to_string(n) + ", not shared");
     const Served shared = serve_with(s, requests, blocks, true, options, nullptr, "N = " + std::to_string(n) + ", shared");
     const std::size_t later = n > 1 ? 1 : 0;  // TTFT of the requests that could find the document cached
@@ -279,8 +279,8 @@ int mixed_trace(Setup& s) {
                 "ttft_ms_mean,identical_alone", s.rt.inputs());
   std::vector<std::vector<int>> expected;
   for (const ch08::Request& r : requests) expected.push_back(ch08::serve_alone(s.rt.model, r));
-  // Up to 64 sequences a step, as chapter 08's default; fewer where the budget has fewer tokens.
-  const ch08::SchedulerOptions options{.max_batch = std::min(64, s.token_budget), .token_budget = s.token_budget};
+  // Up to 64 sequences a step, as chapter 08's default (fewer where the budget has fewer tokens: batch_limit).
+  const ch08::SchedulerOptions options{.max_batch = 64, .token_budget = s.token_budget};
   int all_identical = 1;
   for (bool share : {false, true}) {
     PrefixCacheStats cache_stats;
