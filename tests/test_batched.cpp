@@ -150,8 +150,9 @@ TEST_CASE("batched attention: each sequence gets the bits of its attention alone
       enum class Kind { kDecode, kPrefillChunk, kSinks };
       for (const auto& [sequences, kind] : {std::pair{3, Kind::kDecode}, std::pair{70, Kind::kDecode},
                                             std::pair{3, Kind::kPrefillChunk}, std::pair{3, Kind::kSinks}}) {
-        CAPTURE(sequences);
-        CAPTURE(int(kind));
+        CAPTURE_BINDING(sequences);
+        const int kind_id = int(kind);  // not the binding: see CAPTURE_BINDING
+        CAPTURE(kind_id);
         struct Sequence {
           std::vector<int> blocks;
           std::vector<float> keys, values;  // host copies of the pool, for the reference
@@ -669,7 +670,7 @@ TEST_CASE("scheduler: a watermark keeps blocks free at admission while sequences
   std::vector<std::vector<int>> expected;
   for (const Request& r : requests) expected.push_back(serve_alone(model, r));
   for (const auto& [watermark, together] : {std::pair{0, 2}, std::pair{2, 2}, std::pair{3, 1}, std::pair{100, 1}}) {
-    CAPTURE(watermark);
+    CAPTURE_BINDING(watermark);
     BlockPool pool(cpu, model.config(), 4, 16, 2, model.config().seq_len);
     std::vector<RequestResult> results;
     const RunStats stats = serve(model, pool, requests, SchedulerOptions{.max_batch = 2, .token_budget = 32,
@@ -789,7 +790,7 @@ TEST_CASE("08_paged_batching --experiment throughput: its own batch sizes agains
            {" --batch-sizes 1,64", "--batch-sizes up to 64 exceed --token-budget 32"},
            {" --batch-sizes 1,4 --prompt-lengths 64,64 --output-lengths 2,2", "no step of batch 4 had all 4 sequences decoding"},
        }) {
-    CAPTURE(flags);
+    CAPTURE_BINDING(flags);
     const auto bad = test::run_command(bin + flags);
     CAPTURE(bad.err);
     CHECK(bad.exit_code == 2);

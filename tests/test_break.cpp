@@ -53,7 +53,7 @@ float read_float(Backend& backend, const float* p) {
 const ModelConfig kSmall{.dim = 16, .hidden_dim = 16, .n_layers = 3, .n_heads = 4, .n_kv_heads = 2, .vocab_size = 256,
                          .seq_len = 64};
 
-// The shipped model on the CPU.
+// The shipped model on the CPU: a fixture (TEST_CASE_FIXTURE), whose members the test cases and their lambdas name.
 struct Shipped {
   Checkpoint checkpoint{find_data_file("kjv-gpt.bin")};
   const ModelConfig& c = checkpoint.config();
@@ -154,9 +154,7 @@ TEST_CASE("off-by-one cache: what a read sees - zeros where nothing was written,
   CHECK_THROWS_AS(ch06::OffByOneKvCache(cpu, kSmall, 8, 2), std::invalid_argument);
 }
 
-TEST_CASE("teacher forcing: a run fed its own greedy tokens computes exactly the same logits") {
-  Shipped shipped;
-  auto& [checkpoint, c, backend, model] = shipped;
+TEST_CASE_FIXTURE(Shipped, "teacher forcing: a run fed its own greedy tokens computes exactly the same logits") {
   const std::vector<int> prompt = encode_bytes("And God said, ");
   auto run = [&](std::span<const int> forced) {
     ch03::PreallocatedKvCache cache(backend, checkpoint.config(), 64);
@@ -233,9 +231,7 @@ TEST_CASE("chapter 05: the probe reads the last query's weights of the KV head's
   CHECK(std::vector<float>(absent.last().begin(), absent.last().end()) == std::vector<float>{0, 0, 0});
 }
 
-TEST_CASE("chapter 05: a strong corruption diverges, at the step where the tokens first differ, and scale 1 changes nothing") {
-  Shipped shipped;
-  auto& [checkpoint, c, backend, model] = shipped;
+TEST_CASE_FIXTURE(Shipped, "chapter 05: a strong corruption diverges, at the step where the tokens first differ, and scale 1 changes nothing") {
   const std::vector<int> prompt = encode_bytes(kPrompt);
   const int n = static_cast<int>(prompt.size()), new_tokens = 60;
   ch05::AttentionOnPosition attention(c, 3, 0, 200);
@@ -275,9 +271,7 @@ TEST_CASE("chapter 05: a strong corruption diverges, at the step where the token
   CHECK(again.recorded.logits == clean.recorded.logits);
 }
 
-TEST_CASE("chapter 05: the damage spreads to later rows of the layers above only, and restoring every row recovers exactly") {
-  Shipped shipped;
-  auto& [checkpoint, c, backend, model] = shipped;
+TEST_CASE_FIXTURE(Shipped, "chapter 05: the damage spreads to later rows of the layers above only, and restoring every row recovers exactly") {
   const std::vector<int> prompt = encode_bytes(kPrompt);
   const int n = static_cast<int>(prompt.size()), new_tokens = 40;
   const ch05::BreakRun clean = ch05::run_greedy(model, prompt, new_tokens, {});
@@ -329,9 +323,7 @@ TEST_CASE("chapter 05: a corruption the run cannot make is refused with the flag
   CHECK_NOTHROW(ch05::check_corruption({.layer = 2, .kv_head = 1, .position = 54, .at_step = 5}, c, 50, 20));
 }
 
-TEST_CASE("chapter 06: the off-by-one cache fails the equivalence check, the correct cache passes it") {
-  Shipped shipped;
-  auto& [checkpoint, c, backend, model] = shipped;
+TEST_CASE_FIXTURE(Shipped, "chapter 06: the off-by-one cache fails the equivalence check, the correct cache passes it") {
   const std::vector<int> prompt = encode_bytes("And God said, ");
   const int n = static_cast<int>(prompt.size()), new_tokens = 30;
   auto greedy = [&](KvCache* cache) {

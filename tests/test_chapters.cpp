@@ -538,7 +538,7 @@ TEST_CASE("chapter 05: corrupts one cached key on a small checkpoint, writes its
            {"--experiment sweep --layer 1", "--layer is for --experiment run"},
            {"--seeds 2", "--seeds is for --experiment sweep"},
        }) {
-    CAPTURE(flags);
+    CAPTURE_BINDING(flags);
     const auto bad = run_command(ch05 + " --layer 0 --position 5 --prompt 'In the beginning God created' --max-new-tokens 30 " + flags);
     CAPTURE(bad.err);
     CHECK(bad.exit_code == 2);
@@ -562,7 +562,7 @@ TEST_CASE("chapter 05: the default position follows the prompt's length") {
                              "called Night.";
   REQUIRE(prompt.size() == 204);
   for (const auto& [at_step, position] : std::vector<std::pair<int, int>>{{0, 175}, {7, 182}}) {
-    CAPTURE(at_step);
+    CAPTURE_BINDING(at_step);
     const auto r = run_command(ch05 + " --at-step " + std::to_string(at_step) + " --prompt '" + prompt + "'");
     CAPTURE(r.err);
     REQUIRE(r.exit_code == 0);

@@ -241,8 +241,9 @@ TEST_CASE("decode allocates nothing through the later chapters' caches, a batch 
     for (const auto& [format, keys] : {std::pair{KvFormat::kInt8, ch10::Keys::kPerToken},
                                        std::pair{KvFormat::kInt4, ch10::Keys::kPerToken},
                                        std::pair{KvFormat::kInt4, ch10::Keys::kPerChannel}}) {
-      CAPTURE(int(format));
-      CAPTURE(int(keys));
+      const int format_id = int(format), keys_id = int(keys);  // not the bindings: see CAPTURE_BINDING
+      CAPTURE(format_id);
+      CAPTURE(keys_id);
       ch10::QuantizedKvCache cache(backend, c, 160, format, 32, keys);
       CHECK(decode_allocations(cache) == 0);
     }

@@ -43,8 +43,8 @@ TEST_CASE("golden: C++ logits equal the PyTorch reference for MHA, GQA and MQA c
   for (const std::string name : {"mha", "gqa", "mqa"}) {
     for (const auto& [backend_name, threads] : runs) {
       CAPTURE(name);
-      CAPTURE(backend_name);
-      CAPTURE(threads);
+      CAPTURE_BINDING(backend_name);
+      CAPTURE_BINDING(threads);
       const Checkpoint checkpoint(test::golden_path(std::string(name) + ".bin"));
       const test::GoldenLogits golden = test::read_golden_logits(test::golden_path(std::string(name) + ".logits"));
       REQUIRE(golden.vocab == checkpoint.config().vocab_size);

@@ -126,7 +126,7 @@ TEST_CASE("results: --csv into a folder that does not exist is refused before an
                                       std::pair{"10_quantized_cache" + small_model() + " --experiment channels --text-bytes 64 --group 16",
                                                 "--errors-csv"},
                                       std::pair{"03_benchmark" + small_model() + args_of("03_benchmark"), "--memory-csv"}}) {
-    CAPTURE(command);
+    CAPTURE_BINDING(command);
     const auto r = run_command(binary(command) + " " + flag + " /nonexistent/folder/out.csv");
     CHECK(r.exit_code == 2);
     CHECK(r.out.empty());
@@ -349,7 +349,7 @@ TEST_CASE("inputs: a flag the chosen experiment would ignore is refused, and so 
            {"10_quantized_cache --experiment memory --steps 5", "--steps is for --experiment speed, not memory: drop it"},
            {"10_quantized_cache --formats fp16,int8 --group 8", "--group is for --formats with int4, kivi or int4o"},
        }) {
-    CAPTURE(command);
+    CAPTURE_BINDING(command);
     const auto r = run_command(binary(command) + small_model());
     CAPTURE(r.err);
     CHECK(r.exit_code == 2);

@@ -168,7 +168,7 @@ TEST_CASE("attention: rows past a query's position are never read, whatever they
         for (int n : {1, 3}) {
           if (capacity > 100 && n > 1) continue;  // decoding: one query
           if (pos + n > capacity) continue;
-          CAPTURE(capacity); CAPTURE(pos); CAPTURE(n);
+          CAPTURE_BINDING(capacity); CAPTURE(pos); CAPTURE(n);
           std::vector<float> keys(std::size_t(capacity) * kv_dim, std::numeric_limits<float>::quiet_NaN());
           std::vector<float> values = keys, q(std::size_t(n) * dim);
           for (std::size_t i = 0; i < std::size_t(pos + n) * kv_dim; ++i) keys[i] = normal(gen), values[i] = normal(gen);

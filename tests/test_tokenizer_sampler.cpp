@@ -8,6 +8,7 @@
 
 #include "random.h"
 #include "sampler.h"
+#include "test_util.h"
 #include "tokenizer.h"
 
 using namespace kvs;
@@ -101,7 +102,7 @@ TEST_CASE("random: libstdc++'s integers and exponentials, the same first draws e
   for (std::uint64_t seed : {1ull, 20261127ull}) {
     CAPTURE(seed);
     for (const auto& [lo, hi] : ranges) {
-      CAPTURE(hi);
+      CAPTURE_BINDING(hi);
       Random ours(seed);
       std::mt19937_64 engine(seed);
       std::uniform_int_distribution<std::int64_t> theirs(lo, hi);

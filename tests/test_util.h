@@ -18,6 +18,13 @@
 #include "cli.h"
 #include "cpu_backend.h"
 
+// doctest's CAPTURE of a structured binding (`for (const auto& [flags, message] : ...)`), through a copy: CAPTURE
+// names its argument inside a lambda, which C++20 allows for a binding, but Clang implements that only from 16 (g++
+// from 8). It prints what CAPTURE prints ("flags := ..."); at block scope only, since it declares a variable.
+#define CAPTURE_BINDING(binding)             \
+  const auto binding##_captured = (binding); \
+  INFO(#binding " := ", binding##_captured)
+
 namespace kvs::test {
 
 // Unsets an environment variable a backend reads when it goes out of scope, whatever happened (another test case
