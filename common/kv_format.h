@@ -156,10 +156,16 @@ KVS_HOST_DEVICE inline Int4Group quantize_int4(const float* x, int n, std::uint8
     lowest = fminf(lowest, x[i]), highest = fmaxf(highest, x[i]);
   }
   Int4Group g{finite ? (highest - lowest) / 15.0f : NAN, finite ? lowest : NAN};
+  // A range past float's largest (finite numbers on both sides of 0, far beyond any key or value) is divided
+  // before it is subtracted, the scale and each level: an infinite scale read every number back as NaN.
+  const bool wide = finite && !kv_format_detail::finite(g.scale);
+  if (wide) g.scale = highest / 15.0f - lowest / 15.0f;
   for (int i = 0; i < n; i += 2) {
     std::uint8_t pair = 0;
     for (int half = 0; half < 2; ++half) {
-      const float level = g.scale > 0.0f ? fminf(fmaxf(rintf((x[i + half] - g.minimum) / g.scale), 0.0f), 15.0f) : 0.0f;
+      const float x_i = x[i + half];
+      const float steps = wide ? x_i / g.scale - g.minimum / g.scale : (x_i - g.minimum) / g.scale;
+      const float level = g.scale > 0.0f ? fminf(fmaxf(rintf(steps), 0.0f), 15.0f) : 0.0f;
       pair |= std::uint8_t(std::uint8_t(level) << (4 * half));
     }
     packed[i / 2] = pair;

@@ -13,6 +13,7 @@
 #include "05_break_corrupt_key/break_run.h"
 #include "05_break_corrupt_key/report.h"
 #include "06_break_off_by_one/off_by_one_kv_cache.h"
+#include "10_quantized_cache/quantized_kv_cache.h"
 #include "cli.h"
 #include "cpu_backend.h"
 #include "equivalence.h"
@@ -118,7 +119,10 @@ TEST_CASE("cache writes: every cache refuses a write outside the positions prepa
   ch03::PreallocatedKvCache preallocated(backend, kSmall, 8);
   ch04::SlidingWindowKvCache ring(backend, kSmall, {4, 0}, 2);
   ch06::OffByOneKvCache shifted(backend, kSmall, 8, 1);
-  for (KvCache* cache : std::vector<KvCache*>{&growing, &preallocated, &ring, &shifted}) {
+  // Chapter 10's: int8, and int4 with KIVI's open group of 4 positions (per-channel keys, and the control)
+  ch10::QuantizedKvCache int8(backend, kSmall, 8, KvFormat::kInt8, 4), kivi(backend, kSmall, 8, KvFormat::kInt4, 4, ch10::Keys::kPerChannel),
+      int4o(backend, kSmall, 8, KvFormat::kInt4, 4, ch10::Keys::kPerTokenOpen);
+  for (KvCache* cache : std::vector<KvCache*>{&growing, &preallocated, &ring, &shifted, &int8, &kivi, &int4o}) {
     fill_tagged(backend, *cache, kSmall, 7);
     cache->prepare(7, 1);
     const int seven[2] = {7, 8};  // CPU backend: host memory is backend memory
@@ -131,6 +135,16 @@ TEST_CASE("cache writes: every cache refuses a write outside the positions prepa
                          doctest::Contains("call prepare first and write only what it announced"), std::out_of_range);
   }
   CHECK_THROWS_AS(preallocated.prepare(8, 1), std::invalid_argument);  // and prepare refuses what does not fit
+  // The open group's buffer starts at position 4 (prepare(7, 1): positions 4..7), its keys before coded: a write of
+  // position 3 or earlier, inside what the cache holds, had gone before the buffer's start (heap corruption).
+  const int zero_to_four[5] = {0, 1, 2, 3, 4};
+  for (ch10::QuantizedKvCache* cache : {&kivi, &int4o}) {
+    CHECK_THROWS_WITH_AS(cache->write(0, 3, 1, zero_to_four + 3, k.data(), v.data()),
+                         doctest::Contains("before the open group (4 on)"), std::out_of_range);
+    CHECK_THROWS_AS(cache->write(1, 0, 1, zero_to_four, k.data(), v.data()), std::out_of_range);
+    CHECK_NOTHROW(cache->write(0, 4, 1, zero_to_four + 4, k.data(), v.data()));  // the open group's first row
+  }
+  CHECK_NOTHROW(int8.write(0, 3, 1, zero_to_four + 3, k.data(), v.data()));  // per-token codes: any row it holds
 }
 
 TEST_CASE("off-by-one cache: what a read sees - zeros where nothing was written, each position one slot off, on every backend") {

@@ -140,6 +140,18 @@ TEST_CASE("kv formats: int4 with a scale and a minimum a group, within (max - mi
     const Int4Group g = quantize_int4(bad_row.data(), 8, packed.data());
     for (int i = 0; i < 8; ++i) CHECK(std::isnan(dequantize_int4(packed.data(), i, g)));
   }
+  // Finite numbers whose range is past float's largest: still finite back, within the bound (computed in double).
+  const float big = 3e38f;
+  const std::vector<float> wide{-big, -big / 2, 0.0f, 1.0f, big / 3, big / 2, big * 0.9f, big};
+  std::vector<std::uint8_t> packed(4);
+  const Int4Group g = quantize_int4(wide.data(), 8, packed.data());
+  for (int i = 0; i < 8; ++i) {
+    CAPTURE(i);
+    const float back = dequantize_int4(packed.data(), i, g);
+    CHECK(std::isfinite(back));
+    CHECK(std::fabs(double(back) - double(wide[i])) <= (2.0 * big) / 30.0 * (1 + 1e-5));
+  }
+  CHECK(dequantize_int4(packed.data(), 0, g) == -big);  // level 0 is the minimum
 }
 
 TEST_CASE("kv formats: the bytes a position costs, scales included, and shapes int4 cannot hold") {

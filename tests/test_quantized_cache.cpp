@@ -476,14 +476,23 @@ TEST_CASE("chapter 10: KIVI's per-channel keys and its per-token control - each 
     constexpr int kGroup = 16;
     constexpr int kPositions = 7 * kGroup;  // whole groups: a partial last group's scales would round the bytes up
     for (ch10::Keys keys : {ch10::Keys::kPerChannel, ch10::Keys::kPerTokenOpen}) {
-      CAPTURE(keys == ch10::Keys::kPerChannel ? "per channel" : "per token, open group");
+      const std::string keys_name = keys == ch10::Keys::kPerChannel ? "per channel" : "per token, open group";
+      CAPTURE(keys_name);  // a std::string: doctest prints a const char* as its address
       ch10::QuantizedKvCache open(backend, c, kPositions, KvFormat::kInt4, kGroup, keys),
           fp32(backend, c, kPositions, KvFormat::kFp32, kGroup);
       CHECK_FALSE(open.replayable());
-      // Codes and scales as int4's, and the open group's floats for a decode step.
-      CHECK(open.allocated_bytes() == ch10::QuantizedKvCache::bytes(c, kPositions, KvFormat::kInt4, kGroup, keys));
-      CHECK(open.allocated_bytes() == kv_bytes_per_position(KvFormat::kInt4, c.n_kv_heads, c.head_dim(), kGroup) * c.n_layers * kPositions +
-                                          std::int64_t{4} * kGroup * c.kv_dim() * c.n_layers);
+      // Codes and scales as int4's, the open group's floats for a decode step, and the control's positions (an int
+      // each). A call of more keys than the group (a prefill) holds them in a buffer of its own until the next call
+      // that fits the group: `holding` rows of floats a layer.
+      const std::int64_t between_calls = ch10::QuantizedKvCache::bytes(c, kPositions, KvFormat::kInt4, kGroup, keys);
+      CHECK(open.allocated_bytes() == between_calls);
+      CHECK(between_calls == kv_bytes_per_position(KvFormat::kInt4, c.n_kv_heads, c.head_dim(), kGroup) * c.n_layers * kPositions +
+                                 std::int64_t{4} * kGroup * c.kv_dim() * c.n_layers +
+                                 (keys == ch10::Keys::kPerTokenOpen ? std::int64_t{4} * kPositions : 0));
+      auto check_held = [&](int holding) {
+        CAPTURE(holding);
+        CHECK(open.allocated_bytes() == between_calls + std::int64_t{4} * holding * c.kv_dim() * c.n_layers);
+      };
       auto step = [&](int pos, int n) {
         model.forward(std::span(tokens).subspan(pos, n), pos, &open);
         model.forward(std::span(tokens).subspan(pos, n), pos, &fp32);
@@ -524,8 +533,10 @@ TEST_CASE("chapter 10: KIVI's per-channel keys and its per-token control - each 
       };
       step(0, 37);  // a prefill: read as floats; groups 0 and 1 stored coded, 32..36 open
       check_layer0(0, 37);
+      check_held(37);
       for (int pos = 37; pos < 64; ++pos) step(pos, 1);  // decode steps: group 2 completes at 47, group 3 at 63
       check_layer0(63, 64);
+      check_held(0);  // the prefill's buffer given back at the first step
       step(64, 1);  // the first step of a new group: group 3 now read coded
       check_layer0(64, 65);
       step(64, 1);  // again: a rewind inside the open group (the speed experiment's repeated step)
@@ -536,10 +547,16 @@ TEST_CASE("chapter 10: KIVI's per-channel keys and its per-token control - each 
       CHECK_THROWS_WITH(open.prepare(40, 1), doctest::Contains("already coded"));
       open.clear(), fp32.clear();
       step(0, 20);
+      check_held(20);
       step(20, 30);  // a second prefill call that starts inside the open group and completes two more
       check_layer0(20, 50);
+      check_held(4 + 30);  // a larger buffer: the open group's 4 keys so far, and the call's
       step(50, 1);
       check_layer0(50, 51);
+      check_held(0);
+      step(51, 8);  // a call that fits the open group (48..58 of 48..63) uses its buffer
+      check_layer0(51, 59);
+      check_held(0);
     }
   });
   CpuBackend cpu(1);

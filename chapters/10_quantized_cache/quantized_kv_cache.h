@@ -55,19 +55,22 @@ class QuantizedKvCache final : public KvCache {
         key_block_floats_(block_floats(key_layout_, max_positions)),
         storage_(backend, std::size_t(config.n_layers) * (key_block_floats_ + block_floats_)),
         keys_(keys) {
-    if (open_group() > 0) reserve_open_keys(open_group(), 0);  // a decode step's: never more
+    if (open_group() > 0) open_keys_ = Buffer(backend, open_floats(open_group()) * n_layers_);
     if (keys == Keys::kPerTokenOpen) all_positions_ = consecutive_positions(backend, 0, max_positions);
   }
 
-  // Bytes the cache allocates for `max_positions` positions: what the memory plan counts, scales included, and
-  // per-channel keys' open group (fp32) as a decode step needs it (a prefill call holds its own keys there too).
+  // Bytes the cache holds for `max_positions` positions between calls: what the memory plan counts, scales
+  // included, the open group's keys (fp32) and the control's table of positions. A call with more keys than the
+  // open group holds (a prefill) adds a buffer of its own for them (call_keys_), given back at the next prepare.
   static std::int64_t bytes(const ModelConfig& config, int max_positions, KvFormat format, int int4_group,
                             Keys keys = Keys::kPerToken) {
     const CodedRows key_layout = checked_layout(config, format, int4_group, keys);
     const int open_group = keys == Keys::kPerToken ? 0 : int4_group;
+    const std::int64_t position_table = keys == Keys::kPerTokenOpen ? std::int64_t(max_positions) * std::int64_t{sizeof(int)} : 0;
     return std::int64_t(config.n_layers) * std::int64_t{sizeof(float)} *
-           std::int64_t(block_floats(checked_layout(config, format, int4_group, Keys::kPerToken), max_positions) +
-                        block_floats(key_layout, max_positions) + std::size_t(open_group) * key_layout.width);
+               std::int64_t(block_floats(checked_layout(config, format, int4_group, Keys::kPerToken), max_positions) +
+                            block_floats(key_layout, max_positions) + std::size_t(open_group) * key_layout.width) +
+           position_table;
   }
 
   void prepare(int pos, int n) override {
@@ -88,7 +91,7 @@ class QuantizedKvCache final : public KvCache {
           backend_.copy(open_keys(layer), open_keys(layer) + std::size_t(open_start - open_start_) * key_layout_.width,
                         std::size_t(pos - open_start) * key_layout_.width);
       open_start_ = open_start;
-      reserve_open_keys(pos - open_start + n, pos - open_start);  // only a call larger than any before allocates (a prefill)
+      hold_open_keys(pos - open_start + n, pos - open_start);
     }
     length_ = pos + n;
   }
@@ -96,6 +99,10 @@ class QuantizedKvCache final : public KvCache {
   // Row p holds position p; the positions come from backend memory, so a recorded step writes the right row.
   void write(int layer, int pos, int n, const int* positions, const float* k, const float* v) override {
     check_write("QuantizedKvCache", layer, n_layers_, pos, n, length_);
+    if (open_group() > 0 && pos < open_start_)  // its keys' floats would go before the open group's buffer
+      throw std::out_of_range("QuantizedKvCache: a write of position " + std::to_string(pos) + " lies before the open group (" +
+                              std::to_string(open_start_) + " on), whose earlier keys are coded already; call prepare "
+                              "first and write only what it announced");
     if (layout_.format == KvFormat::kFp32) {
       backend_.write_key_value_rows(floats(layer, 0), floats(layer, 1), layout_.width, positions, Ring::unbounded(), k, v,
                                     n, layout_.width);
@@ -144,8 +151,10 @@ class QuantizedKvCache final : public KvCache {
   KvFormat format() const { return layout_.format; }
   Keys keys() const { return keys_; }
   int max_positions() const { return max_positions_; }
+  // What it holds now: bytes(), and while a prefill call's keys are held, their buffer.
   std::int64_t allocated_bytes() const {
-    return std::int64_t(storage_.size() + open_keys_.size()) * std::int64_t{sizeof(float)};
+    return std::int64_t(storage_.size() + open_keys_.size() + call_keys_.size()) * std::int64_t{sizeof(float)} +
+           std::int64_t(all_positions_.size()) * std::int64_t{sizeof(int)};
   }
 
  private:
@@ -166,16 +175,32 @@ class QuantizedKvCache final : public KvCache {
   std::size_t open_floats(int rows) const { return std::size_t(rows) * key_layout_.width; }
   // Positions of the open group (KIVI's): the int4 group, or 0 for none (per-token keys).
   int open_group() const { return keys_ == Keys::kPerToken ? 0 : layout_.group; }
-  // Room for `rows` open keys per layer, keeping the first `held` rows of each.
-  void reserve_open_keys(int rows, int held) {
-    if (open_floats(rows) * n_layers_ <= open_keys_.size()) return;
-    Buffer larger(backend_, open_floats(rows) * n_layers_);
-    for (int layer = 0; layer < n_layers_ && held > 0; ++layer)
-      backend_.copy(larger.data() + layer * open_floats(rows), open_keys(layer), open_floats(held));
-    open_keys_ = std::move(larger);
+  // Room for `rows` open keys per layer from open_start_, the first `held` rows of each kept: the open group's
+  // buffer while they fit it (a decode step), else a buffer of the call's own (a prefill, which attends to its
+  // keys as floats), kept for a prefill's later chunks and given back at the first call that fits the group.
+  // (Keeping it had held a 2,047-position prefill's keys, 2.6 MB of floats, beside the shipped model's 1 MB of
+  // codes and scales, for as long as the cache lived.)
+  void hold_open_keys(int rows, int held) {
+    const std::size_t needed = open_floats(rows) * n_layers_;
+    if (needed <= open_keys_.size()) {
+      if (call_keys_.size() == 0) return;
+      move_open_keys(open_keys_.data(), open_keys_.size() / n_layers_, held);
+      call_keys_ = Buffer();  // given back
+    } else if (needed > call_keys_.size()) {
+      Buffer larger(backend_, needed);
+      move_open_keys(larger.data(), needed / n_layers_, held);
+      call_keys_ = std::move(larger);
+    }
   }
+  // The first `held` open keys of every layer to `to`, layer_floats apart, from the buffer they are in now.
+  void move_open_keys(float* to, std::size_t layer_floats, int held) {
+    for (int layer = 0; layer < n_layers_ && held > 0; ++layer)
+      backend_.copy(to + layer * layer_floats, open_keys(layer), open_floats(held));
+  }
+  // The buffer the open keys are in now: a call's own while it has one.
   float* open_keys(int layer) const {
-    return const_cast<float*>(open_keys_.data()) + open_keys_.size() / n_layers_ * layer;
+    const Buffer& in = call_keys_.size() == 0 ? open_keys_ : call_keys_;
+    return const_cast<float*>(in.data()) + in.size() / n_layers_ * layer;
   }
   // Floats of one (layer, side) block's codes, rounded up to whole floats; the block: those, then the scales.
   static std::size_t code_floats(const CodedRows& layout, int max_positions) {
@@ -205,7 +230,8 @@ class QuantizedKvCache final : public KvCache {
   std::size_t block_floats_, key_block_floats_;
   Buffer storage_;     // (layers, keys' block_floats + values' block_floats)
   Keys keys_;
-  Buffer open_keys_;   // (layers, rows held, kv_dim) floats of the open group, from open_start_
+  Buffer open_keys_;   // (layers, open group, kv_dim) floats of the open group, from open_start_
+  Buffer call_keys_;   // (layers, rows, kv_dim): instead, while a call holds more than the open group (a prefill)
   int open_start_ = 0;  // the first position not coded yet (a multiple of the open group)
   IntBuffer all_positions_;  // kPerTokenOpen: 0 .. max_positions - 1, the rows a completed group is written to
   int length_ = 0;
