@@ -847,6 +847,13 @@ TEST_CASE("scheduler: a request that can never fit is refused before anything ru
                     doctest::Contains("request 1 (16-token prompt, 4 new tokens) needs 20 positions of cache; the pool holds at most 16"));
   CHECK_THROWS_WITH(serve(model, pool, fits, SchedulerOptions{.max_batch = 2, .token_budget = 64}, results),
                     doctest::Contains("calls of 16 tokens"));
+  // A pool with fewer block tables than a step may run sequences: refused before the first step, not when a step
+  // admits one sequence too many ("every sequence slot of the pool is in use").
+  BlockPool one_table(cpu, model.config(), 8, 4, 1, model.config().seq_len);
+  const std::vector<Request> two{Request{encode_bytes("And God"), 4, 0}, Request{encode_bytes("And the"), 4, 0}};
+  CHECK_THROWS_WITH(serve(model, one_table, two, SchedulerOptions{.max_batch = 2, .token_budget = 16}, results),
+                    doctest::Contains("a step may run 2 sequences, and the pool has block tables for 1 at once"));
+  CHECK_NOTHROW(serve(model, one_table, two, SchedulerOptions{.max_batch = 1, .token_budget = 16}, results));
 }
 
 // A pool an experiment makes later (the memory experiment's max-length row, after five block sizes ran) or a
@@ -864,7 +871,9 @@ TEST_CASE("08_paged_batching: every pool of the experiment is checked before any
                              "--output-lengths 30,30 --block-size 4 --kv-memory 64KiB",
                              "needs 70 positions of cache; the pool holds at most 64"},
                         Case{" --max-batch 4 --requests 4 --prompt-lengths 90,90 --output-lengths 10,10",
-                             "past the 96 this model serves"}}) {
+                             "past the 96 this model serves"},
+                        // its own requests, 16 + 128 positions by default (it printed its probes and headers first)
+                        Case{" --experiment throughput --batch-sizes 1,2", "needs 144 positions, past the 96"}}) {
     CAPTURE(c.flags);
     const auto r = test::run_command(bin + c.flags);
     CHECK(r.exit_code == 2);
@@ -872,6 +881,33 @@ TEST_CASE("08_paged_batching: every pool of the experiment is checked before any
     CHECK(r.err.find(c.error) != std::string::npos);
     CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
   }
+}
+
+// The audit runs after a step's preemptions, before its forward pass. Two requests of 44 positions in a pool of 13
+// blocks of 4: neither finishes before the pool runs out, so the first block given back is the preempted sequence's,
+// with the double free armed after step 0. The audit must throw in the step that preempts, before anything reads or
+// writes the block: no step that completed had a preemption. (At the step's start, as before, the preempting step
+// ran its forward pass with the block on the free list twice, for two sequences to take, and completed.)
+TEST_CASE("scheduler: a block freed twice by a preemption is caught before that step's forward pass") {
+  const Checkpoint checkpoint(find_data_file("kjv-gpt.bin"));
+  CpuBackend cpu(1);
+  Model model(checkpoint, cpu, 16, checkpoint.config().seq_len);
+  const std::vector<Request> requests{Request{encode_bytes("And God"), 37, 0}, Request{encode_bytes("In the "), 37, 0}};
+  BlockPool pool(cpu, model.config(), 13, 4, 2, model.config().seq_len);
+  {  // unarmed: it preempts
+    std::vector<RequestResult> results;
+    CHECK(serve(model, pool, requests, SchedulerOptions{.max_batch = 2, .token_budget = 16}, results).preemptions > 0);
+  }
+  int completed_steps = 0, completed_preemptions = 0;
+  std::vector<RequestResult> results;
+  CHECK_THROWS_WITH_AS(serve(model, pool, requests, SchedulerOptions{.max_batch = 2, .token_budget = 16}, results,
+                             [&](const RunStats& stats, int, int) {
+                               if (stats.steps == 1) pool.break_double_free();
+                               completed_steps = stats.steps, completed_preemptions = stats.preemptions;
+                             }),
+                       doctest::Contains("handed out twice (the free list)"), std::logic_error);
+  CHECK(completed_steps > 10);  // it ran until the pool was short (18 steps)
+  CHECK(completed_preemptions == 0);
 }
 
 // Two requests that finish in the same step leave no step in which to arm the double free: the experiment used to

@@ -239,7 +239,7 @@ TEST_CASE("prefix cache: a long randomized trace under a small pool - audited ev
   PrefixCache cache(pool);
   std::vector<ch08::RequestResult> results;
   const ch08::RunStats stats = ch08::serve(model, cache, requests, ch08::SchedulerOptions{.max_batch = 8, .token_budget = 24},
-                                           results);  // audit_blocks: PrefixCache::audit before every step
+                                           results);  // audit_blocks: PrefixCache::audit before every forward pass
   for (std::size_t i = 0; i < requests.size(); ++i) {
     CAPTURE(i);
     CHECK(results[i].output == ch08::serve_alone(model, requests[i]));

@@ -108,6 +108,21 @@ BlockPool make_pool(Setup& s, int block_size, std::int64_t bytes, int max_sequen
 }
 
 namespace {
+// The throughput experiment's requests for a batch of `batch`, all arriving at once: prompts of prompt_min tokens
+// (distinct: slices of the trace's text, or of one prompt repeated), output_max new tokens each.
+std::vector<Request> throughput_requests(const Setup& s, int batch) {
+  std::vector<Request> requests;
+  for (int i = 0; i < batch; ++i) {
+    const std::vector<int>& text = s.requests[i % s.requests.size()].prompt;
+    requests.push_back(Request{std::vector<int>(text.begin(), text.begin() + std::min<std::size_t>(s.shape.prompt_min, text.size())),
+                               s.shape.output_max, 0});
+  }
+  return requests;
+}
+SchedulerOptions throughput_options(const Setup& s, int batch) {
+  return {.batching = Batching::kContinuous, .max_batch = batch, .token_budget = s.options.token_budget};
+}
+
 // The scheduler's options for the memory experiment: memory, not the batch limit, decides how many run at once.
 SchedulerOptions memory_options(const Setup& s) {
   SchedulerOptions options = s.options;
@@ -125,11 +140,12 @@ void check_pools(const Setup& s, const std::string& experiment) {
     block_sizes.push_back(c.seq_len);  // memory_waste's max-length reservation
   }
   for (int block_size : block_sizes) {
-    const int blocks = pool_blocks(s, block_size, s.kv_memory);
-    if (experiment == "throughput") continue;  // it draws requests of its own, per batch size
     // As make_pool's pool would hold: its block tables are sized for the model's context.
-    check_requests(s.rt.model, pool_positions(blocks_needed(c.seq_len, block_size), blocks, block_size), s.requests,
-                   options);
+    const int positions = pool_positions(blocks_needed(c.seq_len, block_size), pool_blocks(s, block_size, s.kv_memory), block_size);
+    if (experiment != "throughput") check_requests(s.rt.model, positions, s.requests, options);
+    else  // requests of its own, per batch size
+      for (int batch : s.batch_sizes)
+        check_requests(s.rt.model, positions, throughput_requests(s, batch), throughput_options(s, batch));
   }
 }
 
@@ -228,14 +244,9 @@ int throughput(Setup& s) {
   for (int round = 0; round < s.rounds; ++round) {
     for (std::size_t b = 0; b < s.batch_sizes.size(); ++b) {
       const int batch = s.batch_sizes[b];
-      std::vector<Request> requests;
-      for (int i = 0; i < batch; ++i) {  // distinct prompts: slices of the trace's text, or of one prompt repeated
-        const std::vector<int>& text = s.requests[i % s.requests.size()].prompt;
-        requests.push_back(Request{std::vector<int>(text.begin(), text.begin() + std::min<std::size_t>(prompt, text.size())),
-                                   new_tokens, 0});
-      }
-      SchedulerOptions options{.batching = Batching::kContinuous, .max_batch = batch, .token_budget = s.options.token_budget};
-      BlockPool pool = make_pool(s, s.block_size, s.kv_memory, batch);
+      const std::vector<Request> requests = throughput_requests(s, batch);
+      const SchedulerOptions options = throughput_options(s, batch);
+      BlockPool pool = make_pool(s, s.block_size, s.kv_memory, options.batch_limit());
       std::vector<RequestResult> results;
       serve(s.rt.model, pool, requests, options, results);  // warm-up
       const std::vector<double> ms = decode_step_ms(serve(s.rt.model, pool, requests, options, results), batch);
@@ -440,7 +451,7 @@ int break_double_free(Setup& s) {
     std::fprintf(stderr, "with the shipped audit on: the run finished without noticing (unexpected)\n");
     return 1;
   } catch (const std::logic_error& e) {
-    std::fprintf(stderr, "with the shipped audit on (check_block_ownership before every step), the run stops before "
+    std::fprintf(stderr, "with the shipped audit on (check_block_ownership before every forward pass), the run stops before "
                          "anyone reads the block: %s\n", e.what());
   }
   csv.commit();

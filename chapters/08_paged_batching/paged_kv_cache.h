@@ -250,7 +250,8 @@ class PagedSequence final : public KvCache {
       const int block = source_.take_block();
       if (block < 0) {
         upload();
-        throw std::runtime_error("PagedSequence: the pool has no free block (the scheduler should have preempted)");
+        throw std::runtime_error("PagedSequence: the pool has no free block (chapter 08's scheduler preempts a "
+                                 "sequence before this happens; without it, make the pool larger)");
       }
       blocks_.push_back(block);
     }

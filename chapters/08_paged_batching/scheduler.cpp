@@ -106,6 +106,10 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
                std::vector<RequestResult>& results, const OnStep& on_step) {
   BlockPool& pool = caches.pool();
   check_requests(model, pool_positions(pool.table_width(), pool.blocks(), pool.block_size()), requests, options);
+  if (pool.sequences() < options.batch_limit())  // else a step would find no table for a sequence it admits
+    throw std::invalid_argument("the scheduler: a step may run " + std::to_string(options.batch_limit()) +
+                                " sequences, and the pool has block tables for " + std::to_string(pool.sequences()) +
+                                " at once; make the pool for SchedulerOptions::batch_limit() sequences");
   const int count = static_cast<int>(requests.size());
   results.assign(requests.size(), RequestResult{});
   std::vector<int> arrival_order(requests.size());  // requests by arrival step, ties in file order
@@ -135,11 +139,6 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
       continue;
     }
 
-    if (options.audit_blocks) {
-      audited.clear();
-      for (const Running& s : running) audited.push_back(s.cache.get());
-      caches.audit(audited);
-    }
     // 2. the running sequences' tokens, preempting from the most recently admitted while blocks are short.
     int budget = options.token_budget, free_blocks = caches.available_blocks();
     auto preempt_last = [&] {
@@ -194,6 +193,15 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
     }
     stats.idle_slot_steps += std::min<long>(options.batch_limit() - long(running.size()), long(waiting.size()));
     stats.slot_steps += options.batch_limit();
+
+    // The audit, after the step's preemptions and admissions and before anything reads or writes a block: a block
+    // given back twice at the end of the last step or by a preemption in this one is caught before two sequences
+    // write it. (At the step's start, a preemption's came through: two sequences shared the block for a step.)
+    if (options.audit_blocks) {
+      audited.clear();
+      for (const Running& s : running) audited.push_back(s.cache.get());
+      caches.audit(audited);
+    }
 
     // 4. one forward pass over every sequence with tokens this step, then sampling.
     batch.clear();

@@ -51,7 +51,7 @@ struct SchedulerOptions {
   // nothing running it does not apply (there is no one to make room for, and a request that fits the pool
   // must not wait forever).
   int watermark_blocks = 0;
-  // Before every step, check that each block of the pool is either free or held by exactly one sequence
+  // Before every forward pass, check that each block of the pool is either free or held by exactly one sequence
   // (check_block_ownership); off only to watch chapter 08's break experiment do its damage.
   bool audit_blocks = true;
 };
