@@ -60,7 +60,11 @@ void ArgParser::add_u64(const std::string& name, const std::string& help, std::u
 void ArgParser::add_float(const std::string& name, const std::string& help, float* target, float min, float max) {
   flags_.push_back({name, "X", help, [=](const std::string& v) {
                       char* end = nullptr;
+                      errno = 0;
                       const float value = std::strtof(v.c_str(), &end);
+                      // 1e-50 underflows to 0 (ERANGE): a --temperature that asked to sample must not turn greedy
+                      if (!v.empty() && end == v.c_str() + v.size() && errno == ERANGE && value == 0.0f)
+                        return std::string("is too close to 0 for a float (it reads as 0); give 0 or a larger number");
                       if (v.empty() || end != v.c_str() + v.size() || !std::isfinite(value) || value < min ||
                           value > max) {
                         std::ostringstream why;

@@ -16,9 +16,9 @@
 //         (per-token grouping) or one channel over consecutive tokens (KIVI's per-channel keys, gathered by
 //         CodedRows::encode_channel_pair): the functions below take any run of numbers.
 //
-// Not a number: a head (int8) or group (int4) holding a NaN or an infinity is stored with a NaN scale, so
-// every number of it reads back as NaN - attention's output turns NaN where the bad row is visible, never
-// silently clamped. fp16 and bf16 keep NaN and infinities as such (fp16: finite numbers beyond 65504 too
+// Not a number: a head (int8) or group (int4) holding a NaN or an infinity (int4: or finite numbers whose range is
+// past float's largest, 3.4e38) is stored with a NaN scale, so every number of it reads back as NaN - attention's
+// output turns NaN where the bad row is visible, never silently clamped. fp16 and bf16 keep NaN and infinities as such (fp16: finite numbers beyond 65504 too
 // become infinities).
 #include <cmath>
 #include <cstddef>
@@ -155,17 +155,14 @@ KVS_HOST_DEVICE inline Int4Group quantize_int4(const float* x, int n, std::uint8
     finite = finite && kv_format_detail::finite(x[i]);
     lowest = fminf(lowest, x[i]), highest = fmaxf(highest, x[i]);
   }
+  // A range past float's largest (finite numbers far beyond any key or value, on both sides of 0) has no finite
+  // scale, and min + q · s would overflow on the way back (unless fused into one multiply-add): NaN, as stated.
+  finite = finite && kv_format_detail::finite(highest - lowest);
   Int4Group g{finite ? (highest - lowest) / 15.0f : NAN, finite ? lowest : NAN};
-  // A range past float's largest (finite numbers on both sides of 0, far beyond any key or value) is divided
-  // before it is subtracted, the scale and each level: an infinite scale read every number back as NaN.
-  const bool wide = finite && !kv_format_detail::finite(g.scale);
-  if (wide) g.scale = highest / 15.0f - lowest / 15.0f;
   for (int i = 0; i < n; i += 2) {
     std::uint8_t pair = 0;
     for (int half = 0; half < 2; ++half) {
-      const float x_i = x[i + half];
-      const float steps = wide ? x_i / g.scale - g.minimum / g.scale : (x_i - g.minimum) / g.scale;
-      const float level = g.scale > 0.0f ? fminf(fmaxf(rintf(steps), 0.0f), 15.0f) : 0.0f;
+      const float level = g.scale > 0.0f ? fminf(fmaxf(rintf((x[i + half] - g.minimum) / g.scale), 0.0f), 15.0f) : 0.0f;
       pair |= std::uint8_t(std::uint8_t(level) << (4 * half));
     }
     packed[i / 2] = pair;

@@ -1,6 +1,7 @@
 #include "model.h"
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -124,6 +125,9 @@ int Model::load_step(std::span<const SequenceStep> batch) {
   for (const SequenceStep& s : batch) {
     if (s.tokens.empty()) throw std::invalid_argument("forward: a sequence with no tokens in the batch");
     if (s.pos < 0) throw std::invalid_argument("forward: negative position " + std::to_string(s.pos));
+    if (s.pos > std::numeric_limits<int>::max() - int(s.tokens.size()))  // the call's end, pos + n, must be an int
+      throw std::invalid_argument("forward: position " + std::to_string(s.pos) + " plus " + std::to_string(s.tokens.size()) +
+                                  " tokens passes the largest int");
     if (!s.cache) throw std::invalid_argument("forward: a sequence of a batch without a cache");
     if (s.cache->rotates_at_read() != batch[0].cache->rotates_at_read())
       throw std::invalid_argument("forward: a batch mixes caches that rotate keys at read time with caches that do not");

@@ -1,5 +1,6 @@
 #include "replacing_file.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -50,11 +51,17 @@ void ReplacingFile::commit() {
   const mode_t mask = ::umask(0);
   ::umask(mask);
   if (::fchmod(fd_, 0666 & ~mask) != 0) fail("chmod", errno);
+  // On the disk before the rename, then the rename itself: else a crash of the machine (not only of this process)
+  // may leave the target renamed but empty on some filesystems (XFS; ext4 with noauto_da_alloc).
+  if (::fsync(fd_) != 0) fail("fsync", errno);
   const int fd = fd_;
   fd_ = -1;
   if (::close(fd) != 0) fail("close", errno);
   if (std::rename(temp_.c_str(), target_.c_str()) != 0) fail("rename", errno);
   temp_.clear();  // renamed: nothing to remove
+  const std::string folder = std::filesystem::path(target_).parent_path().string();
+  const int dir = ::open(folder.empty() ? "." : folder.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dir >= 0) ::fsync(dir), ::close(dir);  // the rename's entry; best effort: the file itself is whole already
 }
 
 }  // namespace kvs

@@ -3,13 +3,15 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 
 namespace kvs {
 
 int argmax(std::span<const float> values) {
   int best = 0;
   for (int i = 1; i < static_cast<int>(values.size()); ++i)
-    if (values[i] > values[best]) best = i;  // strictly greater: ties keep the lower id
+    if (values[i] > values[best] || (std::isnan(values[best]) && !std::isnan(values[i]))) best = i;  // ties: the lower id
   return best;
 }
 
@@ -26,7 +28,16 @@ double Sampler::uniform() {
 }
 
 int Sampler::sample(std::span<const float> logits) {
+  if (logits.size() != order_.size())
+    throw std::invalid_argument("Sampler: " + std::to_string(logits.size()) + " logits for a vocabulary of " +
+                                std::to_string(order_.size()));
   if (settings_.temperature == 0.0f) return argmax(logits);
+  // exp(l - max) of an infinite max is NaN for every weight, and NaN breaks the ordering partial_sort needs: the
+  // draw had returned the least likely token. Overflowed activations are the model's failure, said as such.
+  for (float l : logits)
+    if (!std::isfinite(l))
+      throw std::runtime_error("Sampler: a logit is NaN or infinite (the model's numbers overflowed); no token can be "
+                               "drawn from them");
   const int vocab = static_cast<int>(logits.size());
   const int k = settings_.top_k > 0 ? std::min(settings_.top_k, vocab) : vocab;
   std::iota(order_.begin(), order_.begin() + vocab, 0);

@@ -14,13 +14,15 @@ struct SamplerSettings {
   std::uint64_t seed = 42;
 };
 
-// Index of the largest value; the lowest index among equals.
+// Index of the largest value; the lowest index among equals. A NaN is never the largest (0 if all are NaN).
 int argmax(std::span<const float> values);
 
 class Sampler {
  public:
   Sampler(int vocab_size, SamplerSettings settings);
-  int sample(std::span<const float> logits);  // allocates nothing
+  // Allocates nothing. Throws std::invalid_argument for logits of another length than the vocabulary, and, when
+  // drawing (temperature > 0), std::runtime_error for a NaN or an infinite logit: no distribution to draw from.
+  int sample(std::span<const float> logits);
   const SamplerSettings& settings() const { return settings_; }
 
  private:

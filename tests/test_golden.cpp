@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "cpu_backend.h"
@@ -97,4 +98,10 @@ TEST_CASE("model: calls that do not fit are refused with a reason") {
   CHECK_THROWS_WITH(model.forward(bad_token, 0), doctest::Contains("token id 256 is outside the vocabulary"));
   CHECK_THROWS_WITH(model.forward(std::span<const int>(bad_token.data(), 1), -1),
                     doctest::Contains("negative position"));
+  // A call's end, pos + n, must be an int (caches compute it; it had wrapped negative, undefined behaviour, and
+  // attention saw no key).
+  const std::vector<int> three(3, 1);
+  CHECK_THROWS_WITH(model.forward(three, std::numeric_limits<int>::max() - 1), doctest::Contains("passes the largest int"));
+  CHECK_THROWS_WITH(model.forward(std::span<const int>(three.data(), 2), std::numeric_limits<int>::max()),
+                    doctest::Contains("passes the largest int"));
 }

@@ -41,6 +41,27 @@ TEST_CASE("sampler: greedy is argmax and ties go to the lowest id") {
   for (int i = 0; i < 20; ++i) CHECK(top1.sample(logits) == 1);
 }
 
+// Logits a draw cannot use: NaN or infinite (overflowed activations), or not one per token of the vocabulary. A
+// +inf logit had given a NaN total, and the draw fell through to the least likely candidate; a longer span had
+// written past the sampler's buffers. Greedy still takes +inf as the largest and never a NaN.
+TEST_CASE("sampler: a NaN or infinite logit is refused by a draw, logits of another length by every call") {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (const std::vector<float>& bad : {std::vector<float>{0.0f, inf, 0.0f, 1.0f}, std::vector<float>{0.0f, nan, 0.0f, 1.0f},
+                                        std::vector<float>(4, -inf)}) {
+    Sampler draw(4, {.temperature = 0.8f, .seed = 3}), draw_top2(4, {.temperature = 0.8f, .top_k = 2, .seed = 3});
+    CHECK_THROWS_WITH_AS(draw.sample(bad), doctest::Contains("NaN or infinite"), std::runtime_error);
+    CHECK_THROWS_AS(draw_top2.sample(bad), std::runtime_error);
+  }
+  CHECK(argmax(std::vector<float>{0.0f, inf, 0.0f, 1.0f}) == 1);
+  CHECK(argmax(std::vector<float>{nan, -1.0f, 2.0f, nan}) == 2);
+  CHECK(argmax(std::vector<float>{nan, nan}) == 0);
+  Sampler greedy(4, {}), draw(4, {.temperature = 1.0f});
+  const std::vector<float> five(5, 1.0f), three(3, 1.0f);
+  CHECK_THROWS_WITH_AS(greedy.sample(five), doctest::Contains("5 logits for a vocabulary of 4"), std::invalid_argument);
+  CHECK_THROWS_AS(draw.sample(five), std::invalid_argument);
+  CHECK_THROWS_AS(draw.sample(three), std::invalid_argument);
+}
+
 TEST_CASE("sampler: a seed gives the same tokens every time, another seed other tokens") {
   std::vector<float> logits(256);
   for (int i = 0; i < 256; ++i) logits[i] = std::sin(0.37f * i) * 3.0f;

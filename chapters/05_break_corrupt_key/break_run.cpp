@@ -80,7 +80,11 @@ BreakRun run_greedy(Model& model, std::span<const int> prompt, int new_tokens, c
           }
     }
   };
-  model.observe_attention(options.attention);
+  // Every run observed, its weights kept or not: asked for the weights, a backend may take another attention path
+  // (CUDA: a block per query and head, not the split decoding kernel), whose sums end in other last bits, and this
+  // chapter compares runs bit for bit - teacher-forced with every row restored must give KL 0, not 1e-14.
+  AttentionOnPosition unkept(config, 0, 0, 0);
+  model.observe_attention(options.attention ? options.attention : &unkept);
   Sampler greedy(config.vocab_size, {});
   const Generation g =
       generate_cached(model, *run.cache, greedy, prompt, new_tokens, 0, {}, between_steps, options.forced);
