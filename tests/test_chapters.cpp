@@ -586,6 +586,10 @@ TEST_CASE("chapter 05: the default position follows the prompt's length") {
   CAPTURE(later.err);
   CHECK(later.exit_code == 0);
   CHECK(later.err.find("--position not given: 71,") != std::string::npos);  // 54 + 46 - 1 - 28
+  // A negative step is refused by name, not told to lengthen the prompt (204 - 150 = 54 positions cached).
+  const auto negative = run_command(ch05 + " --at-step -150 --prompt '" + prompt + "'");
+  CHECK(negative.exit_code == 2);
+  CHECK(negative.err.find("--at-step -150 is out of range") != std::string::npos);
 }
 
 TEST_CASE("chapter 06: the off-by-one cache fails the equivalence check the correct one passes, probes, bad shifts") {

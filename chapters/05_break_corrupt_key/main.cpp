@@ -117,7 +117,9 @@ int main(int argc, char** argv) {
     // free, forced, and three restored), the sweep three (clean, free, forced).
     rt.plan_kv_cache((experiment == "run" ? 6 : 3) * kvs::kv_cache_bytes(c, prompt_len + options.max_new_tokens));
     if (experiment == "run") {  // checked before anything is printed: a refusal is one line
-      if (!parser.given("--position")) corruption.position = kvs::ch05::default_position(prompt_len, corruption.at_step);
+      // (A negative --at-step is check_corruption's to refuse by name, not the default position's to explain.)
+      if (!parser.given("--position") && corruption.at_step >= 0)
+        corruption.position = kvs::ch05::default_position(prompt_len, corruption.at_step);
       kvs::ch05::check_corruption(corruption, c, prompt_len, options.max_new_tokens);
     } else {
       kvs::ch05::check_kv_head(corruption, c);
