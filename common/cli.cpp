@@ -62,9 +62,10 @@ void ArgParser::add_float(const std::string& name, const std::string& help, floa
                       char* end = nullptr;
                       errno = 0;
                       const float value = std::strtof(v.c_str(), &end);
-                      // 1e-50 underflows to 0 (ERANGE): a --temperature that asked to sample must not turn greedy
+                      // A number too close to 0 for a float (1e-50) reads as 0 (ERANGE): refused, not taken as 0 (a
+                      // --temperature that asked to sample would decode greedily)
                       if (!v.empty() && end == v.c_str() + v.size() && errno == ERANGE && value == 0.0f)
-                        return std::string("is too close to 0 for a float (it reads as 0); give 0 or a larger number");
+                        return std::string("is too close to 0 for a float (it reads as 0); give 0 or a number further from 0");
                       if (v.empty() || end != v.c_str() + v.size() || !std::isfinite(value) || value < min ||
                           value > max) {
                         std::ostringstream why;

@@ -53,7 +53,7 @@ void ReplacingFile::commit() {
   if (::fchmod(fd_, 0666 & ~mask) != 0) fail("chmod", errno);
   // On the disk before the rename, then the rename itself: else a crash of the machine (not only of this process)
   // may leave the target renamed but empty on some filesystems (XFS; ext4 with noauto_da_alloc).
-  if (::fsync(fd_) != 0) fail("fsync", errno);
+  if (::fsync(fd_) != 0 && errno != EINVAL && errno != ENOTSUP) fail("fsync", errno);  // (some filesystems cannot)
   const int fd = fd_;
   fd_ = -1;
   if (::close(fd) != 0) fail("close", errno);

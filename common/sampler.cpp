@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -32,12 +33,17 @@ int Sampler::sample(std::span<const float> logits) {
     throw std::invalid_argument("Sampler: " + std::to_string(logits.size()) + " logits for a vocabulary of " +
                                 std::to_string(order_.size()));
   if (settings_.temperature == 0.0f) return argmax(logits);
-  // exp(l - max) of an infinite max is NaN for every weight, and NaN breaks the ordering partial_sort needs: the
-  // draw had returned the least likely token. Overflowed activations are the model's failure, said as such.
-  for (float l : logits)
-    if (!std::isfinite(l))
-      throw std::runtime_error("Sampler: a logit is NaN or infinite (the model's numbers overflowed); no token can be "
-                               "drawn from them");
+  // exp(l - max) of a max of +inf is NaN for every weight, and NaN breaks the ordering partial_sort needs: the draw
+  // had returned the least likely token. Overflowed activations are the model's failure, said as such. (A -inf
+  // logit is a token never drawn, weight 0; all of them -inf leave nothing to draw.)
+  bool any_finite = false;
+  for (float l : logits) {
+    if (std::isnan(l) || l == std::numeric_limits<float>::infinity())
+      throw std::runtime_error("Sampler: a logit is NaN or +infinity (the model's numbers overflowed); no token can "
+                               "be drawn from them");
+    any_finite = any_finite || std::isfinite(l);
+  }
+  if (!any_finite) throw std::runtime_error("Sampler: every logit is -infinity; no token can be drawn");
   const int vocab = static_cast<int>(logits.size());
   const int k = settings_.top_k > 0 ? std::min(settings_.top_k, vocab) : vocab;
   std::iota(order_.begin(), order_.begin() + vocab, 0);

@@ -21,7 +21,7 @@ class Sampler {
  public:
   Sampler(int vocab_size, SamplerSettings settings);
   // Allocates nothing. Throws std::invalid_argument for logits of another length than the vocabulary, and, when
-  // drawing (temperature > 0), std::runtime_error for a NaN or an infinite logit: no distribution to draw from.
+  // drawing (temperature > 0), std::runtime_error for a NaN or +inf logit, or all -inf: nothing to draw from.
   int sample(std::span<const float> logits);
   const SamplerSettings& settings() const { return settings_; }
 

@@ -104,7 +104,7 @@ TEST_CASE("cli: unknown flags and bad values are named in the error") {
   CHECK(parse({"--temperature", "1.0x"}).outcome.error.find("got '1.0x'") != std::string::npos);
   // 1e-50 reads as 0 (strtof underflows): it asked to sample, and 0 would have decoded greedily without a word
   CHECK(parse({"--temperature", "1e-50"}).outcome.error ==
-        "--temperature is too close to 0 for a float (it reads as 0); give 0 or a larger number, got '1e-50'");
+        "--temperature is too close to 0 for a float (it reads as 0); give 0 or a number further from 0, got '1e-50'");
   CHECK(parse({"--temperature", "0"}).outcome.error.empty());
   CHECK(parse({"--temperature", "0.0"}).outcome.error.empty());
   CHECK(parse({"--temperature", "1e-3"}).outcome.error.empty());

@@ -531,10 +531,23 @@ TEST_CASE("chapter 10: KIVI's per-channel keys and its per-token control - each 
         }
         CHECK(wrong == 0);
       };
+      // Rows [first, first + rows) of every layer's open keys, in the buffer they are in now. Layer 0 starts both
+      // buffers, so only the other layers show a move between them with a wrong layer stride.
+      auto open_rows = [&](int first, int rows) {
+        std::vector<float> all;
+        for (int layer = 0; layer < c.n_layers; ++layer) {
+          const float* rows_of_layer = open.view(layer).key_codes.open_rows;
+          all.insert(all.end(), rows_of_layer + std::size_t(first) * c.kv_dim(), rows_of_layer + std::size_t(first + rows) * c.kv_dim());
+        }
+        return all;
+      };
       step(0, 37);  // a prefill: read as floats; groups 0 and 1 stored coded, 32..36 open
       check_layer0(0, 37);
       check_held(37);
-      for (int pos = 37; pos < 64; ++pos) step(pos, 1);  // decode steps: group 2 completes at 47, group 3 at 63
+      const std::vector<float> prefill_open = open_rows(32, 5);
+      step(37, 1);  // the prefill's open rows move to the open group's buffer: positions 32..36 now its rows 0..4
+      CHECK(open_rows(0, 5) == prefill_open);
+      for (int pos = 38; pos < 64; ++pos) step(pos, 1);  // decode steps: group 2 completes at 47, group 3 at 63
       check_layer0(63, 64);
       check_held(0);  // the prefill's buffer given back at the first step
       step(64, 1);  // the first step of a new group: group 3 now read coded
@@ -548,9 +561,11 @@ TEST_CASE("chapter 10: KIVI's per-channel keys and its per-token control - each 
       open.clear(), fp32.clear();
       step(0, 20);
       check_held(20);
+      const std::vector<float> first_call_open = open_rows(16, 4);
       step(20, 30);  // a second prefill call that starts inside the open group and completes two more
       check_layer0(20, 50);
       check_held(4 + 30);  // a larger buffer: the open group's 4 keys so far, and the call's
+      CHECK(open_rows(0, 4) == first_call_open);  // positions 16..19, moved with it
       step(50, 1);
       check_layer0(50, 51);
       check_held(0);

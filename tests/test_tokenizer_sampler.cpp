@@ -41,17 +41,20 @@ TEST_CASE("sampler: greedy is argmax and ties go to the lowest id") {
   for (int i = 0; i < 20; ++i) CHECK(top1.sample(logits) == 1);
 }
 
-// Logits a draw cannot use: NaN or infinite (overflowed activations), or not one per token of the vocabulary. A
+// Logits a draw cannot use: NaN or +inf (overflowed activations), all -inf, or not one per token of the vocabulary. A
 // +inf logit had given a NaN total, and the draw fell through to the least likely candidate; a longer span had
 // written past the sampler's buffers. Greedy still takes +inf as the largest and never a NaN.
-TEST_CASE("sampler: a NaN or infinite logit is refused by a draw, logits of another length by every call") {
+TEST_CASE("sampler: a NaN or +inf logit (or all -inf) is refused by a draw, logits of another length by every call") {
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   for (const std::vector<float>& bad : {std::vector<float>{0.0f, inf, 0.0f, 1.0f}, std::vector<float>{0.0f, nan, 0.0f, 1.0f},
                                         std::vector<float>(4, -inf)}) {
     Sampler draw(4, {.temperature = 0.8f, .seed = 3}), draw_top2(4, {.temperature = 0.8f, .top_k = 2, .seed = 3});
-    CHECK_THROWS_WITH_AS(draw.sample(bad), doctest::Contains("NaN or infinite"), std::runtime_error);
+    CHECK_THROWS_WITH_AS(draw.sample(bad), doctest::Contains(bad[0] == -inf ? "every logit is -infinity" : "NaN or +infinity"),
+                         std::runtime_error);
     CHECK_THROWS_AS(draw_top2.sample(bad), std::runtime_error);
   }
+  Sampler draw_masked(4, {.temperature = 5.0f, .seed = 4});  // a -inf logit: a token never drawn, weight 0
+  for (int i = 0; i < 200; ++i) CHECK(draw_masked.sample(std::vector<float>{0.0f, -inf, 0.0f, 0.0f}) != 1);
   CHECK(argmax(std::vector<float>{0.0f, inf, 0.0f, 1.0f}) == 1);
   CHECK(argmax(std::vector<float>{nan, -1.0f, 2.0f, nan}) == 2);
   CHECK(argmax(std::vector<float>{nan, nan}) == 0);

@@ -106,8 +106,9 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
                std::vector<RequestResult>& results, const OnStep& on_step) {
   BlockPool& pool = caches.pool();
   check_requests(model, pool_positions(pool.table_width(), pool.blocks(), pool.block_size()), requests, options);
-  if (pool.sequences() < options.batch_limit())  // else a step would find no table for a sequence it admits
-    throw std::invalid_argument("the scheduler: a step may run " + std::to_string(options.batch_limit()) +
+  // Else a step would find no block table for a sequence it admits (never more at once than the requests).
+  if (const int at_once = std::min<int>(options.batch_limit(), int(requests.size())); pool.sequences() < at_once)
+    throw std::invalid_argument("the scheduler: a step may run " + std::to_string(at_once) +
                                 " sequences, and the pool has block tables for " + std::to_string(pool.sequences()) +
                                 " at once; make the pool for SchedulerOptions::batch_limit() sequences");
   const int count = static_cast<int>(requests.size());

@@ -156,7 +156,8 @@ inline int pool_positions(int table_width, int blocks, int block_size) {
 // Serves `requests` through `model` with the caches of `caches`, writes each request's result (same order), and
 // returns the run's statistics. A request the pool or the model can never hold (its prompt plus
 // max_new_tokens exceeds the positions one sequence of the pool may have, the pool's blocks, or the model's
-// context) is refused before anything runs: std::invalid_argument naming it.
+// context) is refused before anything runs: std::invalid_argument naming it; so is a pool with block tables for
+// fewer sequences than a step may run (SchedulerOptions::batch_limit(), or the requests if fewer).
 RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>& requests, const SchedulerOptions& options,
                std::vector<RequestResult>& results, const OnStep& on_step = {});
 // Chapter 08's: every sequence its own blocks of `pool`.

@@ -15,12 +15,13 @@
 // KIVI's keys (Keys::kPerChannel, int4 only): a few channels of this model's keys are large at every position
 // (chapter 10's channels experiment), so a scale per token wastes its 16 levels on them; KIVI codes each channel
 // over a group of `group` positions instead. A group can be coded only once its last position is written, so the
-// open group's keys stay fp32 (open_keys_, KIVI's "residual"): the write appends a call's keys there and codes
+// open group's keys stay fp32 (open_keys_, KIVI's "residual"; while a call holds more keys than the group, a
+// prefill, in call_keys_ instead): the write appends a call's keys there and codes
 // every group the call completes; attention reads the groups coded before this call as codes and everything from
 // the open group's start on as floats - a prefill attends in fp32 as KIVI's does, a decode step reads its own
 // group in fp32 and every earlier one coded. Never a later position's key in an earlier one's rounding: a group
 // is coded after every position in it has been read in fp32. Values stay per token (KIVI's per-token values).
-// The open group's rows move to the front of open_keys_ when the next call starts past it (prepare), so a
+// The open group's rows move to the front of their buffer when the next call starts past it (prepare), so a
 // view depends on the length: not replayable. Keys::kPerTokenOpen keeps the same open group but codes a completed
 // group's keys per token, as int4 does: the control that tells what KIVI's per-channel scales buy from what its
 // fp32 open group buys.
@@ -61,7 +62,8 @@ class QuantizedKvCache final : public KvCache {
 
   // Bytes the cache holds for `max_positions` positions between calls: what the memory plan counts, scales
   // included, the open group's keys (fp32) and the control's table of positions. A call with more keys than the
-  // open group holds (a prefill) adds a buffer of its own for them (call_keys_), given back at the next prepare.
+  // open group holds (a prefill) adds a buffer of its own for them (call_keys_), given back at the next call that
+  // fits the group (hold_open_keys).
   static std::int64_t bytes(const ModelConfig& config, int max_positions, KvFormat format, int int4_group,
                             Keys keys = Keys::kPerToken) {
     const CodedRows key_layout = checked_layout(config, format, int4_group, keys);
