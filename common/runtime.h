@@ -65,7 +65,10 @@ class Runtime {
   // Setup and memory plan, two lines for stderr.
   std::string describe() const { return describe_setup(checkpoint, backend) + "\n" + memory.describe(); }
   // The files this run reads, which no output may overwrite.
-  std::vector<NamedPath> inputs() const { return {{"--model", checkpoint.path()}, {"--prompt-file", prompt_file}}; }
+  // (A --synthetic model has no file: its path() "synthetic" is no file an output could overwrite.)
+  std::vector<NamedPath> inputs() const {
+    return {{"--model", checkpoint.generated() ? std::string() : checkpoint.path()}, {"--prompt-file", prompt_file}};
+  }
 
   // The CPU backend's threads; 0 with another backend.
   int cpu_threads() const;

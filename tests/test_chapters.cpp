@@ -411,6 +411,12 @@ TEST_CASE("03_benchmark --synthetic: random weights of a chosen shape, and shape
     CHECK(bad.err.find("--synthetic") != std::string::npos);
   }
   CHECK(run_command(bench + " --synthetic 64,3,4,2 --model x.bin").exit_code == 2);
+  // A generated model has no file: its path() "synthetic" is not an input a --csv of that name would overwrite.
+  kvs::test::TempDir dir;
+  const auto named = run_command("cd " + dir.file("") + " && " + bench + " --synthetic 64,3,4,2 --csv synthetic");
+  CAPTURE(named.err);
+  CHECK(named.exit_code == 0);
+  CHECK(count_lines(dir.file("synthetic")) == 2);  // the header and the one length's row
   // Its weights are generated on the host and uploaded: counted twice, and refused before they are generated.
   CHECK(r.err.find("+ generated weights on the host ") != std::string::npos);
   const auto big = run_command(bench + " --synthetic 2048,16,16,4 --memory-limit 1GiB");
