@@ -17,8 +17,10 @@
 #include <new>
 #include <sstream>
 #include <stdexcept>
+#include <string_view>
 
 #include "backends.h"
+#include "tokenizer.h"
 
 namespace kvs {
 namespace fs = std::filesystem;
@@ -226,7 +228,8 @@ void add_common_flags(ArgParser& p, CommonOptions& o, const std::string& default
     std::ostringstream temperature;  // the chapter's default: 0 (greedy) in most, 0.8 where samples must differ
     temperature << "0 = greedy, otherwise sample from softmax(logits / T) (default " << o.temperature << ")";
     p.add_float("--temperature", temperature.str(), &o.temperature, 0.0f, 100.0f);
-    p.add_int("--top-k", "sample among the K most likely tokens only (default 0 = all)", &o.top_k, 0, 1 << 21);
+    // At most the byte vocabulary every chapter's model has (Runtime checks it): more would quietly mean all.
+    p.add_int("--top-k", "sample among the K most likely tokens only (default 0 = all)", &o.top_k, 0, kByteVocab);
     p.add_u64("--seed", "random seed for sampling (default " + std::to_string(o.seed) + ")", &o.seed);
     p.add_check([&p, &o] {
       if (o.temperature > 0 || (!p.given("--top-k") && !p.given("--seed"))) return std::string();
@@ -290,23 +293,22 @@ std::int64_t parse_bytes(const std::string& text) {
 }
 
 std::vector<int> parse_int_list(const std::string& flag, const std::string& text, int min, int max) {
+  if (text.empty()) throw UsageError(flag + " is empty; give whole numbers separated by commas");
   std::vector<int> values;
-  std::stringstream in(text);
-  for (std::string item; std::getline(in, item, ',');) {
-    std::size_t used = 0;
+  // Split at every comma, so an empty item (",8", "8,,40", "8,40,") is one and is refused; from_chars, as the
+  // single-number flags, takes digits with an optional '-' and nothing else (no spaces, no '+').
+  for (std::size_t start = 0;;) {
+    const std::size_t comma = std::min(text.find(',', start), text.size());
+    const std::string_view item(text.data() + start, comma - start);
     long long n = 0;
-    try {
-      n = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (item.empty() || used != item.size() || n < min || n > max)
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), n);
+    if (item.empty() || ec != std::errc() || end != item.data() + item.size() || n < min || n > max)
       throw UsageError(flag + " expects whole numbers from " + std::to_string(min) + " to " + std::to_string(max) +
                        " separated by commas, got '" + text + "'");
     values.push_back(static_cast<int>(n));
+    if (comma == text.size()) return values;
+    start = comma + 1;
   }
-  if (values.empty()) throw UsageError(flag + " is empty; give whole numbers separated by commas");
-  return values;
 }
 
 std::string format_bytes(double bytes) {

@@ -126,13 +126,17 @@ TEST_CASE("chapter 03: the cache is exactly the formula, decode allocates nothin
   // mha.bin: 2 layers, 4 KV heads of 16; 50 positions of fp32
   CHECK(r.err.find("= 2 * 2 * 1 * 4 * 16 * 50 * 4 = 51200 bytes") != std::string::npos);
   CHECK(r.err.find("allocated by the cache: 51200 bytes (equal to the formula)") != std::string::npos);
-  CHECK(r.err.find("heap allocations during the 29 decode steps: 0") != std::string::npos);
+  CHECK(r.err.find("heap allocations during the 29 decode steps: 0\n") != std::string::npos);  // counted: not "not counted"
   const std::string agree = "chunked prefill (C = 7) vs one-shot prefill: largest logit difference ";
   const std::size_t at = r.err.find(agree);
   REQUIRE(at != std::string::npos);
   CHECK(std::stod(r.err.substr(at + agree.size())) <= kvs::kLogitTolerance);
   CHECK(r.err.find("context wall") != std::string::npos);
 
+  const auto none = run_command(binary("03_preallocated_cache") + " --model " + golden_path("mha.bin") +
+                                " --max-new-tokens 0 --threads 1");  // it wrote a CSV row of zeros as timings
+  CHECK(none.exit_code == 2);
+  CHECK(none.err.find("--max-new-tokens: at least 1 (the prefill makes the first new token)") != std::string::npos);
   const auto bad = run_command(binary("03_preallocated_cache") + " --model " + golden_path("mha.bin") +
                                " --memory-budget lots");
   CHECK(bad.exit_code == 2);
@@ -310,6 +314,10 @@ TEST_CASE("chapter 00: perplexity of a small text, and a bad context is refused"
                                " --context 1000");
   CHECK(bad.exit_code == 2);
   CHECK(bad.err.find("--context 1000 exceeds the model's context of 96") != std::string::npos);
+  const auto one_byte = run_command(binary("00_perplexity") + " --model " + golden_path("mha.bin") + " --text " + text +
+                                    " --max-bytes 1");  // failed with exit 1, as if the text were at fault
+  CHECK(one_byte.exit_code == 2);
+  CHECK(one_byte.err.find("--max-bytes 1 leaves nothing to predict; give at least 2") != std::string::npos);
   // Progress (common/progress.h), every update (KVS_PROGRESS_MS=0) and to a file: a line each, no carriage return.
   const auto many = run_command("KVS_PROGRESS_MS=0 " + binary("00_perplexity") + " --model " + golden_path("mha.bin") +
                                 " --context 3 --max-bytes 300 --threads 1");
@@ -337,6 +345,15 @@ TEST_CASE("03_benchmark: a small sweep runs, every cache matches naive, and the 
   const auto bad = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") + " --lengths 8,x");
   CHECK(bad.exit_code == 2);
   CHECK(bad.err.find("--lengths expects whole numbers from 1 to") != std::string::npos);
+  // Naive generation never runs further than the caches it checks: it once ran min(the two) and printed the flag's.
+  const auto naive_more = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") +
+                                      " --lengths 8 --max-new-tokens 4 --naive-tokens 5");
+  CHECK(naive_more.exit_code == 2);
+  CHECK(naive_more.err.find("--naive-tokens 5 is more than --max-new-tokens 4; give at most 4") != std::string::npos);
+  const auto naive_default = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") +
+                                         " --lengths 8 --max-new-tokens 4 --repeats 1 --threads 1");
+  CHECK(naive_default.exit_code == 0);
+  CHECK(naive_default.err.find("4 new tokens per cached run, 4 per naive run") != std::string::npos);
   // A length past the context is refused, not quietly run at the context (it once ran 5000 as 1984).
   const auto too_long = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") + " --lengths 8,97");
   CHECK(too_long.exit_code == 2);
@@ -477,7 +494,9 @@ TEST_CASE("03_benchmark --context-wall: caches grow until --memory-limit refuses
   CHECK(fits <= predicted);
   CHECK(predicted < refused);
   CHECK(refused - fits <= std::max(1LL, fits / 1000));
-  for (const std::string flag : {"--lengths 8", "--breakdown", "--repeats 2", "--max-new-tokens 4"}) {
+  for (const std::string& flag : {std::string("--lengths 8"), std::string("--breakdown"), std::string("--repeats 2"),
+                                 std::string("--max-new-tokens 4"), std::string("--prompt abc"),
+                                 "--prompt-file " + golden_path("mha.bin")}) {
     CAPTURE(flag);
     CHECK(run_command(bench + " " + flag).exit_code == 2);
   }

@@ -112,6 +112,19 @@ TEST_CASE("cli: unknown flags and bad values are named in the error") {
   CHECK(parse({"--model"}).outcome.error == "--model needs a value (PATH)");
 }
 
+TEST_CASE("cli: a list is whole numbers between commas, and an empty item anywhere is refused") {
+  CHECK(parse_int_list("--lengths", "8,40,512", 1, 1000) == std::vector<int>{8, 40, 512});
+  CHECK(parse_int_list("--lengths", "7", 1, 1000) == std::vector<int>{7});
+  CHECK(parse_int_list("--x", "-3,0", -5, 5) == std::vector<int>{-3, 0});
+  // the trailing comma used to pass (getline yields no empty last item), as did spaces and '+' (stoll skips them)
+  for (const std::string bad : {"8,40,", ",8", "8,,40", ",", "", "8, 40", " 8", "+8", "8x", "1001", "0", "99999999999"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS(parse_int_list("--lengths", bad, 1, 1000), UsageError);
+  }
+  CHECK_THROWS_WITH(parse_int_list("--lengths", "8,40,", 1, 1000),
+                    "--lengths expects whole numbers from 1 to 1000 separated by commas, got '8,40,'");
+}
+
 TEST_CASE("cli: prompts come from --prompt, --prompt-file or the chapter's default, never two at once") {
   CommonOptions o;
   CHECK(resolve_prompt(o, "default") == "default");
@@ -160,6 +173,10 @@ TEST_CASE("cli: more threads than cores and sampling flags without sampling are 
   CHECK(parse({"--threads", "1"}).outcome.error.empty());
   CHECK(parse({"--top-k", "3"}).outcome.error.find("only apply when sampling") != std::string::npos);
   CHECK(parse({"--temperature", "0.5", "--top-k", "3"}).outcome.error.empty());
+  CHECK(parse({"--temperature", "0.5", "--top-k", "256"}).outcome.error.empty());
+  // more than the vocabulary quietly meant all of it
+  CHECK(parse({"--temperature", "0.5", "--top-k", "257"}).outcome.error ==
+        "--top-k expects a whole number from 0 to 256, got '257'");
   CHECK(parse({"--csv", ""}).outcome.error == "--csv needs a non-empty value");
 }
 

@@ -27,6 +27,10 @@ int main(int argc, char** argv) {
   parser.add_int("--context", "bytes per chunk (default 512; at most the model's context)", &context, 1, 1 << 21);
   parser.add_int("--max-bytes", "evaluate only the first N bytes of the text (default 0 = all)", &max_bytes, 0,
                  1 << 30);
+  parser.add_check([&] {  // one byte predicts nothing: the run would fail after loading, as if the text were at fault
+    if (max_bytes != 1) return std::string();
+    return std::string("--max-bytes 1 leaves nothing to predict; give at least 2 (or 0 for the whole text)");
+  });
   parser.parse(argc, argv);
 
   return kvs::run_main(parser, [&] {

@@ -80,9 +80,10 @@ int main(int argc, char** argv) {
       "rate that makes against this machine's read bandwidth for as many bytes (measured by the benchmark; on a GPU\n"
       "the device's copy bandwidth).\n"
       "  CSV (--csv): prompt_tokens, step_ms_mean, step_ms_p50, step_ms_p99, matmul_ms, attention_ms, other_ms,\n"
-      "  weight_bytes, kv_bytes, achieved_gbs, limit_gbs, threads, operations (backend operations per step),\n"
-      "  graph_ms_p50 (the step replayed as a CUDA graph; 0 where the backend cannot record), prefill_ms,\n"
-      "  prefill_gflops (the prompt's forward pass: its GFLOP/s), peak_gflops (a 1024^3 matrix product's GFLOP/s).\n"
+      "  weight_bytes, kv_bytes, achieved_gbs, limit_gbs, threads (0 on a GPU), operations (backend operations per\n"
+      "  step), graph_ms_p50 (the step replayed as a CUDA graph; 0 where the backend cannot record), prefill_ms,\n"
+      "  prefill_gflops (the prompt's forward pass: its GFLOP/s), peak_gflops (a 1024^3 matrix product's GFLOP/s),\n"
+      "  graph_launches (the launches the replayed step holds; 0 without a graph).\n"
       "--context-wall: instead of the sweep, the longest KV cache that fits, measured: preallocated caches of\n"
       "1024, 2048, 4096, ... positions, each allocated and its last position written, until the memory refuses\n"
       "one (a GPU's allocator; on the CPU, which backs pages lazily, --memory-limit), then bisection to 0.1%;\n"
@@ -92,8 +93,8 @@ int main(int argc, char** argv) {
   parser.add_string("--lengths", "LIST", "prompt lengths up to the model's context, comma-separated (default 32,128,512,1024,2048); "
                     "one that leaves no room for --max-new-tokens runs at context - max-new-tokens, and only once",
                     &lengths_text);
-  parser.add_int("--naive-tokens", "new tokens for naive generation, which is slow at long contexts (default 8)",
-                 &naive_tokens, 2, 1 << 20);
+  parser.add_int("--naive-tokens", "new tokens for naive generation, which is slow at long contexts (default 8, or\n"
+                 "--max-new-tokens where that is fewer); at most --max-new-tokens", &naive_tokens, 2, 1 << 20);
   parser.add_int("--repeats", "timed runs per method and length; medians are reported (default 3)", &repeats, 1, 1000);
   parser.add_string("--memory-csv", "PATH", "write the cache bytes measured at the end of each run", &memory_csv);
   parser.add_string("--synthetic", "DIM,LAYERS,HEADS,KV_HEADS",
@@ -107,8 +108,12 @@ int main(int argc, char** argv) {
     for (const char* flag : {"--naive-tokens", "--repeats", "--memory-csv"})
       if ((breakdown || context_wall) && parser.given(flag))
         return std::string(flag) + " is for the sweep, not " + (breakdown ? "--breakdown" : "--context-wall");
-    for (const char* flag : {"--breakdown", "--lengths", "--max-new-tokens"})
+    for (const char* flag : {"--breakdown", "--lengths", "--max-new-tokens", "--prompt", "--prompt-file"})
       if (context_wall && parser.given(flag)) return std::string(flag) + " does not apply to --context-wall";
+    // Naive generation is the reference whose tokens every cache must reproduce: it never runs further than they do.
+    if (parser.given("--naive-tokens") && naive_tokens > options.max_new_tokens)
+      return "--naive-tokens " + std::to_string(naive_tokens) + " is more than --max-new-tokens " +
+             std::to_string(options.max_new_tokens) + "; give at most " + std::to_string(options.max_new_tokens);
     if (options.backend == "cuda-harness")
       return std::string("--backend cuda-harness runs the CUDA kernels on the CPU, one fiber per GPU thread: its "
                          "timings are neither GPU nor CPU numbers; benchmark with --backend cuda (a GPU) or cpu");
@@ -177,8 +182,9 @@ int main(int argc, char** argv) {
       if (breakdown_csv.enabled()) std::cerr << "wrote " << breakdown_csv.path() << "\n";
       return 0;
     }
+    const int naive_new_tokens = std::min(naive_tokens, options.max_new_tokens);  // the default 8 may be more
     std::cerr << rt.describe() << "\n" << shortened << options.max_new_tokens << " new tokens per cached run, "
-              << naive_tokens << " per naive run; machine: " << std::thread::hardware_concurrency() << " cores\n\n";
+              << naive_new_tokens << " per naive run; machine: " << std::thread::hardware_concurrency() << " cores\n\n";
 
     std::vector<std::string> methods = {"naive", "concatenate", "chunked", "preallocated"};
     const bool graph = rt.backend.can_record();
@@ -189,7 +195,7 @@ int main(int argc, char** argv) {
       const std::span<const int> prompt(all_tokens.data(), prompt_len);
       std::vector<int> reference;  // naive's tokens: every cached method must reproduce them
       for (const std::string& method : methods) {
-        const int new_tokens = method == "naive" ? std::min(naive_tokens, options.max_new_tokens) : options.max_new_tokens;
+        const int new_tokens = method == "naive" ? naive_new_tokens : options.max_new_tokens;
         std::int64_t cache_bytes = 0, resident_bytes = 0;  // allocated, and physically in memory at the end
         auto run = [&](bool record) {
           kvs::Sampler sampler = rt.new_sampler();

@@ -196,7 +196,7 @@ void decode_breakdown(Runtime& rt, std::span<const int> tokens, const std::vecto
       std::fprintf(stderr, "  %9.4f %8.0f%% %9d %10.2f", graph_p50, graph_share, launches, 1000 * graph_p50 / launches);
     std::fprintf(stderr, "\n");
     csv.row(prompt_len, mean, g.decode_percentile_ms(50), g.decode_percentile_ms(99), matmul, attention, other,
-            bytes.weights, bytes.kv, achieved, limit, threads, operations / steps, graph_p50, g.ttft_ms(),
+            bytes.weights, bytes.kv, achieved, limit, rt.cpu_threads(), operations / steps, graph_p50, g.ttft_ms(),
             prefill_flops(c, prompt_len) / 1e9 / (g.ttft_ms() / 1000), peak, launches);
     csv.commit();
   }

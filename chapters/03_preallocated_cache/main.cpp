@@ -42,6 +42,10 @@ int main(int argc, char** argv) {
   parser.add_int("--prefill-chunk", "prefill the prompt in chunks of C positions (default 0: all at once)",
                  &prefill_chunk, 0, 1 << 21);
   parser.add_bytes("--memory-budget", "memory (weights + KV cache) for the context-wall table, e.g. 80GiB (default 24GiB)", &budget);
+  parser.add_check([&] {  // with none there is no prefill either: the CSV would hold a row of zeros as timings
+    if (options.max_new_tokens >= 1) return std::string();
+    return std::string("--max-new-tokens: at least 1 (the prefill makes the first new token)");
+  });
   parser.parse(argc, argv);
 
   return kvs::run_main(parser, [&] {
@@ -88,15 +92,18 @@ int main(int argc, char** argv) {
     const std::int64_t rss_growth = kvs::peak_resident_bytes() - rss_before;
     std::fflush(stdout);
 
-    if (options.max_new_tokens > 0)
-      std::fprintf(stderr, "\n\nprefill (time to first token): %.2f ms for %zu positions\n", g.ttft_ms(), rt.prompt.size());
+    std::fprintf(stderr, "\n\nprefill (time to first token): %.2f ms for %zu positions\n", g.ttft_ms(), rt.prompt.size());
+    // Loading the model allocates, so a counter that saw nothing before the first token is not counting (a
+    // build whose malloc the counter does not replace): then its 0 during decode would prove nothing.
+    const std::string counted = allocations_at_first_token > 0 ? std::to_string(decode_allocations)
+                                                               : "not counted (this build's malloc is not the counter's)";
     if (options.max_new_tokens > 1)
       std::fprintf(stderr, "decode: p50 %.4f ms, p99 %.4f ms per token (%.0f tokens/s at the p50); heap allocations "
-                           "during the %d decode steps: %ld\n", g.decode_median_ms(), g.decode_percentile_ms(99),
-                   g.decode_tokens_per_s(), options.max_new_tokens - 1, decode_allocations);
-    if (options.max_new_tokens > 0) std::fprintf(stderr, "the whole generation (prefill + decode): %.1f ms\n", g.total_ms());
+                           "during the %d decode steps: %s\n", g.decode_median_ms(), g.decode_percentile_ms(99),
+                   g.decode_tokens_per_s(), options.max_new_tokens - 1, counted.c_str());
+    std::fprintf(stderr, "the whole generation (prefill + decode): %.1f ms\n", g.total_ms());
 
-    if (prefill_chunk > 0 && options.max_new_tokens > 0) {
+    if (prefill_chunk > 0) {
       // Chunked prefill must give the logits of one-shot prefill: compare on a fresh cache.
       kvs::ch03::PreallocatedKvCache reference(rt.backend, c, static_cast<int>(rt.prompt.size()));
       const auto one_shot = rt.model.forward(rt.prompt, 0, &reference);
