@@ -310,6 +310,12 @@ TEST_CASE("cuda kernels: every kernel's first statement is KVS_WAIT_FOR_PREVIOUS
   }
   CHECK(kernels >= 15);  // the kernels of today, so that a search that finds none fails
   CHECK(early == 1);
+  // Every __global__ in the file starts a line, so none escaped the search above ("static __global__", a template's
+  // head on the kernel's line): write a new kernel's __global__ at the start of its line.
+  int anywhere = 0;
+  for (std::size_t at = source.find("__global__"); at != std::string::npos; at = source.find("__global__", at + 1))
+    ++anywhere;
+  CHECK(anywhere == kernels);
 }
 
 // KVS_PROGRAMMATIC_LAUNCH (tests/gpu_session.sh's A/B of programmatic dependent launch): 0 or 1; anything else
@@ -559,6 +565,56 @@ TEST_CASE("cuda kernels: a split decoding launch with more blocks per chunk than
                                            {scratch.data(), scratch.size()}),
                          doctest::Contains("decode fewer sequences at once"), std::invalid_argument);
   });
+}
+
+// A NaN in a key that a query sees (a corrupted cache; a coded group with a NaN scale, kv_format.h) turns that query's
+// heads of its KV head NaN, as the reference's softmax does; the other KV head's heads stay the reference's. The
+// CUDA kernels' online softmax took its running maximum with fmaxf, which drops a NaN operand: where the NaN row
+// came first, it was skipped as if hidden and the output came out finite. Decode in one chunk and in many (the
+// NaN in a later chunk and in the first), prefill in tiles of queries, and the observed path (attention_kernel).
+TEST_CASE("attention: a NaN in a visible key turns its heads' output NaN on every backend and kernel") {
+  std::mt19937 gen(13);
+  const AttentionShape shape{4, 2, 32};  // query heads 0 and 1 read KV head 0, whose key in bad_row holds the NaN
+  const int kv_dim = shape.n_kv_heads * shape.head_dim, dim = shape.n_heads * shape.head_dim;
+  struct Case {
+    int rows, bad_row, pos, n;
+  };
+  for (const Case k : {Case{64, 0, 63, 1}, Case{97, 50, 96, 1}, Case{1, 0, 0, 1}, Case{1100, 700, 1099, 1},
+                       Case{1100, 0, 1099, 1}, Case{130, 0, 0, 130}, Case{130, 100, 0, 130}}) {
+    CAPTURE(k.rows); CAPTURE(k.bad_row); CAPTURE(k.n);
+    std::vector<float> keys = random_vector(std::size_t(k.rows) * kv_dim, gen), values = random_vector(keys.size(), gen);
+    keys[std::size_t(k.bad_row) * kv_dim + 5] = std::numeric_limits<float>::quiet_NaN();
+    const std::vector<float> q = random_vector(std::size_t(k.n) * dim, gen);
+    const KvView host_view{.keys = keys.data(), .values = values.data(), .rows = k.rows, .row_stride = kv_dim};
+    std::vector<float> want(q.size());
+    reference_attention(want.data(), q.data(), k.pos, k.n, host_view, shape, nullptr);
+    // The reference's own answer, the rule this test holds every backend to: NaN exactly where a query sees the row.
+    for (int i = 0; i < k.n; ++i)
+      for (int h = 0; h < shape.n_heads; ++h)
+        REQUIRE(std::isnan(want[std::size_t(i) * dim + h * shape.head_dim]) == (h < 2 && k.pos + i >= k.bad_row));
+    for (const std::string& name : test::test_backend_names()) {
+      CAPTURE(name);
+      const std::unique_ptr<Backend> owner = test::make_test_backend(name);
+      Backend& b = *owner;
+      Buffer d_keys = test::to_backend(b, keys), d_values = test::to_backend(b, values), d_q = test::to_backend(b, q);
+      Buffer d_out(b, q.size()), scratch(b, b.attention_scratch_floats(shape, k.rows, 1));
+      Buffer d_weights(b, std::size_t(k.n) * shape.n_heads * k.rows);
+      KvView view = host_view;
+      view.keys = d_keys.data(), view.values = d_values.data();
+      const IntBuffer positions = consecutive_positions(b, k.pos, k.n);
+      for (float* weights : {static_cast<float*>(nullptr), d_weights.data()}) {
+        CAPTURE(weights != nullptr);
+        b.attention(d_out.data(), d_q.data(), positions.data(), k.n, view, shape, {scratch.data(), scratch.size()},
+                    weights);
+        const std::vector<float> got = test::from_backend(b, d_out);
+        int wrong = 0;
+        for (std::size_t i = 0; i < got.size(); ++i)
+          wrong += std::isnan(want[i]) ? !std::isnan(got[i])
+                                       : !(std::abs(got[i] - want[i]) <= 1e-4f + kRtol * std::abs(want[i]));
+        CHECK(wrong == 0);
+      }
+    }
+  }
 }
 
 TEST_CASE("backends: a copy between overlapping ranges is refused on every backend") {

@@ -280,6 +280,11 @@ TEST_CASE("cuda harness: a stream capture records launches and copies, and each 
   // What CUDA refuses inside a capture, the harness refuses too.
   CHECK(cudaMemcpy(&host_amount, amount.p, sizeof(float), cudaMemcpyDeviceToHost) == cudaErrorStreamCaptureUnsupported);
   CHECK(cudaStreamSynchronize(stream) == cudaErrorStreamCaptureUnsupported);
+  void* allocated = &host_amount;
+  CHECK(cudaMalloc(&allocated, 64) == cudaErrorStreamCaptureUnsupported);
+  CHECK(allocated == nullptr);
+  CHECK(cudaFree(x.p) == cudaErrorStreamCaptureUnsupported);  // and x stays allocated: it is read below
+  CHECK(cudaMemset(x.p, 0, sizeof(float)) == cudaErrorStreamCaptureUnsupported);
   cudaGraph_t graph = nullptr;
   KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   CHECK(x.host()[39] == 0.0f);  // nothing ran while capturing

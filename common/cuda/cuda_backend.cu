@@ -236,6 +236,16 @@ __device__ float score_of(const float (&query)[kPerLane], const KvView& kv, int 
   return warp_sum(dot) * (1.0f / sqrtf(static_cast<float>(head_dim)));
 }
 
+// The larger of a and b, or NaN where either is NaN. Every running maximum of a softmax here takes it, never fmaxf,
+// which returns the other operand when one is NaN: a NaN score (a NaN in a visible key, kv_format.h's promise) was
+// then dropped as if its row were hidden, and the output came out finite where the reference's is NaN. With a NaN
+// maximum every exp(x - max) is NaN, so the NaN reaches the sums and the output.
+__device__ __forceinline__ float max_keeping_nan(float a, float b) { return a > b || a != a ? a : b; }  // a != a: NaN
+
+// What a softmax's sums divide by at the end: o / total, 0 where no row was visible (total exactly 0, a deliberately
+// broken cache: 0, as the CPU backend), NaN where total is NaN. (total > 0 ? o / total : 0 turned NaN into 0.)
+__device__ __forceinline__ float normalised(float o, float total) { return total == 0.0f ? 0.0f : o / total; }
+
 // A softmax over some rows, not yet normalised: the largest score (-inf: no row visible), the sum of
 // exp(score - max), and (per element, elsewhere) the sum of exp(score - max) · v.
 struct PartialSoftmax {
@@ -264,7 +274,7 @@ struct WarpPartials {
   // After a barrier: the block's largest score and sum for head t, over its `warps` warps.
   __device__ PartialSoftmax merged(int t, int warps) const {
     PartialSoftmax block{-INFINITY, 0.0f};
-    for (int w = 0; w < warps; ++w) block.max = fmaxf(block.max, warp_max[w][t]);
+    for (int w = 0; w < warps; ++w) block.max = max_keeping_nan(block.max, warp_max[w][t]);
     for (int w = 0; w < warps; ++w)
       if (warp_max[w][t] != -INFINITY) block.total += warp_total[w][t] * expf(warp_max[w][t] - block.max);
     return block;
@@ -291,7 +301,7 @@ __device__ PartialSoftmax attend_rows(HeadPartials& parts, const float (&query)[
     const int key_pos = kv.position_of(r);
     if (!key_visible(query_pos, key_pos, kv.window)) continue;  // the same r in every lane
     const float score = score_of(query, kv, r, key_pos, query_pos, kv_offset, head_dim, lane);
-    const float new_max = fmaxf(running_max, score);
+    const float new_max = max_keeping_nan(running_max, score);
     const float rescale = expf(running_max - new_max);  // 0 for the first visible row
     const float weight = expf(score - new_max);
     total = total * rescale + weight;
@@ -325,8 +335,7 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
   const PartialSoftmax block = attend_rows(parts, query, kv, 0, row_end, query_pos, kv_offset, head_dim);
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     // Nothing visible (only a deliberately broken cache gets here): 0, as the CPU backend.
-    out[std::size_t(i) * dim + h * head_dim + d] =
-        block.total > 0.0f ? parts.merged_value(0, d, block.max, warps) / block.total : 0.0f;
+    out[std::size_t(i) * dim + h * head_dim + d] = normalised(parts.merged_value(0, d, block.max, warps), block.total);
   }
   if (!weights) return;
   float* observed = weights + (std::size_t(i) * n_heads + h) * kv.rows;
@@ -438,11 +447,11 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
       KVS_UNROLL
       for (int j = 0; j < kTilePer; ++j) {
         if (!key_visible(query_pos[i], key_pos[j], kv.window)) score[i][j] = -INFINITY;
-        tile_max = fmaxf(tile_max, score[i][j]);
+        tile_max = max_keeping_nan(tile_max, score[i][j]);
       }
       for (int offset = kTileSide / 2; offset > 0; offset /= 2)  // over the 16 lanes of the row (tx)
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, offset));
-      const float new_max = fmaxf(row_max[i], tile_max);
+        tile_max = max_keeping_nan(tile_max, __shfl_xor_sync(kFullMask, tile_max, offset));
+      const float new_max = max_keeping_nan(row_max[i], tile_max);
       // Nothing visible to this query yet: no numerators, nothing to rescale (exp(-inf - -inf) is NaN).
       const float rescale = new_max == -INFINITY ? 1.0f : expf(row_max[i] - new_max);
       row_sum[i] *= rescale;
@@ -479,7 +488,7 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
     for (int c = 0; c < kColumns; ++c) {
       const int d = tx + kTileSide * c;
       // Nothing visible (only a deliberately broken cache gets here): 0, as the CPU backend.
-      if (d < head_dim) out[std::size_t(query) * dim + h * head_dim + d] = total > 0.0f ? o[i][c] / total : 0.0f;
+      if (d < head_dim) out[std::size_t(query) * dim + h * head_dim + d] = normalised(o[i][c], total);
     }
   }
 }
@@ -588,8 +597,9 @@ template <int kElements>
 __device__ void merge_partials(float* out, const float* head, int splits, int head_dim, float (&weight)[kMaxSplits]) {
   const int lane = threadIdx.x % kWarp, stride = 2 + head_dim;
   float max = -INFINITY;
-  for (int s = lane; s < splits; s += kWarp) max = fmaxf(max, head[std::size_t(s) * stride]);
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) max = fmaxf(max, __shfl_xor_sync(kFullMask, max, offset));
+  for (int s = lane; s < splits; s += kWarp) max = max_keeping_nan(max, head[std::size_t(s) * stride]);
+  for (int offset = kWarp / 2; offset > 0; offset /= 2)
+    max = max_keeping_nan(max, __shfl_xor_sync(kFullMask, max, offset));
   for (int s = lane; s < splits; s += kWarp) {
     const float chunk_max = head[std::size_t(s) * stride];
     weight[s] = chunk_max == -INFINITY ? 0.0f : expf(chunk_max - max);  // 0: nothing visible in the chunk
@@ -610,7 +620,7 @@ __device__ void merge_partials(float* out, const float* head, int splits, int he
   }
   KVS_UNROLL
   for (int j = 0; j < kElements; ++j)
-    if (lane + j * kWarp < head_dim) out[lane + j * kWarp] = total > 0.0f ? o[j] / total : 0.0f;
+    if (lane + j * kWarp < head_dim) out[lane + j * kWarp] = normalised(o[j], total);
 }
 
 template <int kElements, int kViews, bool kPlainRows>
@@ -682,7 +692,7 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
         float dot = 0.0f;
         for (int j = 0; j < kElements; ++j) dot += query[t][j] * key[i][j];
         score[i] = visible[i] ? warp_sum(dot) * scale : -INFINITY;
-        new_max = fmaxf(new_max, score[i]);
+        new_max = max_keeping_nan(new_max, score[i]);
       }
       if (new_max == -INFINITY) continue;  // nothing visible yet (the same in every lane)
       const float rescale = expf(running_max[t] - new_max);  // 0 for the first visible rows
@@ -712,7 +722,7 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
       const float o = parts.merged_value(t, d, block.max, kDecodeWarps);
       if (partial) partial[2 + d] = o;
-      else out[h * head_dim + d] = block.total > 0.0f ? o / block.total : 0.0f;  // 0: nothing visible
+      else out[h * head_dim + d] = normalised(o, block.total);
     }
   }
   if (!partials) return;
@@ -1049,11 +1059,16 @@ unsigned blocks_for(std::size_t count) { return std::min<unsigned>(blocks_for_ea
 
 // Every operation is queued on the backend's own stream (the legacy default stream cannot be captured);
 // the copies to the host wait for it.
-cudaStream_t new_stream() {
+// The backend's stream, destroyed after every member that uses it: members go in the reverse of their order, and
+// the Blas handle, bound to the stream, is declared after it (its destructor ran on a destroyed stream when the
+// backend's destructor destroyed the stream itself). A member whose constructor throws also gives it back.
+struct OwnedStream {
   cudaStream_t stream = nullptr;
-  KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  return stream;
-}
+  OwnedStream() { KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
+  ~OwnedStream() { cudaStreamDestroy(stream); }
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+};
 
 class CudaBackend final : public Backend {
  public:
@@ -1062,7 +1077,7 @@ class CudaBackend final : public Backend {
       : name_(std::move(name)),
         gemv_max_tokens_(gemv_max_tokens()),
         chunks_(decode_chunks()),
-        stream_(new_stream()),
+        stream_(owned_stream_.stream),
         queue_{stream_, programmatic},
         blas_(stream_) {
     // The tiled prefill attention's shared memory is over the 48 KB a kernel gets without asking, for heads
@@ -1090,7 +1105,6 @@ class CudaBackend final : public Backend {
     cudaFree(arrivals_);
     if (graph_) cudaGraphExecDestroy(graph_);
     for (float* w : weights_) cudaFree(w);
-    cudaStreamDestroy(stream_);
   }
   const char* name() const override { return name_.c_str(); }
   std::string describe() const override { return name_; }
@@ -1165,9 +1179,13 @@ class CudaBackend final : public Backend {
     std::size_t nodes = 0;
     const cudaError_t counted = cudaGraphGetNodes(graph, nullptr, &nodes);
     recorded_launches_ = counted == cudaSuccess ? static_cast<int>(nodes) : 0;
-    const cudaError_t instantiated = cudaGraphInstantiate(&graph_, graph, 0);
+    // Into a handle of its own first: a failed instantiation leaves graph_ null, never a value CUDA left undefined
+    // that replay() would launch.
+    cudaGraphExec_t instance = nullptr;
+    const cudaError_t instantiated = cudaGraphInstantiate(&instance, graph, 0);
     cudaGraphDestroy(graph);
     KVS_CUDA_CHECK(instantiated);
+    graph_ = instance;
   }
   int recorded_launches() const override { return recorded_launches_; }
   void replay(int recording) override {
@@ -1432,7 +1450,8 @@ class CudaBackend final : public Backend {
   std::string name_;
   int gemv_max_tokens_;  // fused products up to this many tokens (gemv_max_tokens)
   DecodeChunks chunks_;  // how decoding cuts a view's rows (decode_chunks)
-  cudaStream_t stream_;
+  OwnedStream owned_stream_;
+  cudaStream_t stream_;  // owned_stream_'s
   cuda::LaunchQueue queue_;  // stream_, and whether kernels go on it programmatically dependent
   Blas blas_;
   std::vector<float*> weights_;

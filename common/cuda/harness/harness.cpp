@@ -575,10 +575,15 @@ void warp_sync(unsigned mask) {
 }  // namespace kvs::cuda_harness
 
 // ---- the runtime API on host memory ----
+// cudaMalloc, cudaFree and cudaMemset (not the Async one) are refused inside a capture, as CUDA refuses them in the
+// backend's capture mode (thread-local: the capturing thread may make no call that is not enqueued on a stream): an
+// allocation is not recorded in the graph, and a free or a plain memset synchronises. A cache whose write
+// allocated would fail a GPU's recording, not the harness's, without this.
 cudaError_t cudaMalloc(void** pointer, std::size_t bytes) {
+  *pointer = nullptr;
+  if (kvs::cuda_harness::capturing()) return cudaErrorStreamCaptureUnsupported;
   // 256-byte aligned like cudaMalloc, but exactly `bytes` long: AddressSanitizer reports a read even one
   // element past the end (a GPU would not notice it).
-  *pointer = nullptr;
   if (bytes && posix_memalign(pointer, 256, bytes) != 0) return cudaErrorMemoryAllocation;
   return cudaSuccess;
 }
@@ -599,6 +604,7 @@ cudaError_t finish_pending_quietly() {
 }  // namespace
 
 cudaError_t cudaFree(void* pointer) {
+  if (kvs::cuda_harness::capturing()) return cudaErrorStreamCaptureUnsupported;  // the memory stays allocated
   const cudaError_t pending = finish_pending_quietly();  // the kernel may still use the memory
   std::free(pointer);
   if (pending != cudaSuccess) return pending;
@@ -617,6 +623,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaM
   return cudaSuccess;
 }
 cudaError_t cudaMemset(void* dst, int value, std::size_t bytes) {
+  if (kvs::cuda_harness::capturing()) return cudaErrorStreamCaptureUnsupported;
   kvs::cuda_harness::finish_pending_kernel();
   if (bytes) std::memset(dst, value, bytes);
   return cudaSuccess;
