@@ -13,8 +13,11 @@
 
 namespace kvs {
 
+// The target is the file a symbolic link at `path` leads to (weakly_canonical resolves the links of the part that
+// exists): renaming over the link itself replaced it with a regular file, and the file it pointed to kept the old
+// results.
 ReplacingFile::ReplacingFile(const std::string& path, std::string what)
-    : target_(std::filesystem::absolute(path).string()), what_(std::move(what)) {
+    : target_(std::filesystem::weakly_canonical(std::filesystem::absolute(path)).string()), what_(std::move(what)) {
   const std::filesystem::path target(target_);
   std::string name = ".";  // a hidden temporary beside the target: ".out.csv.XXXXXX"
   name += target.filename().string();

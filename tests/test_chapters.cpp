@@ -39,6 +39,12 @@ TEST_CASE("chapter 01: generates on a small checkpoint, and stdout holds exactly
   CHECK(r.out.rfind("In the beginning", 0) == 0);
   CHECK(r.err.find("tokens/s") != std::string::npos);
   CHECK(count_lines(csv) == 1 + 20);  // header + one row per step
+  // The report's windows: ten, splitting the 19 decode steps evenly (1 or 2 steps each), the last ending at step
+  // 19. A window of fixed size, (steps - 1) / 10 = 1, printed 19 rows of one step each.
+  int windows = 0;
+  for (std::size_t at = r.err.find(" - "); at != std::string::npos; at = r.err.find(" - ", at + 3)) ++windows;
+  CHECK(windows == 2 * 10);  // each row names a range of steps and one of contexts
+  CHECK(r.err.find("    18 -    19      34 -     35") != std::string::npos);
 
   // Greedy generation is deterministic from run to run.
   const auto again = run_command(binary("01_naive_generation") + " --model " + golden_path("mha.bin") +
@@ -133,6 +139,14 @@ TEST_CASE("chapter 03: the cache is exactly the formula, decode allocates nothin
   CHECK(std::stod(r.err.substr(at + agree.size())) <= kvs::kLogitTolerance);
   CHECK(r.err.find("context wall") != std::string::npos);
 
+  // A cache larger than the run: the model's calls stay the prompt's and single tokens (buffers for 20 + 10
+  // positions), attention's buffers cover the 96 rows; the plan once sized every buffer for 96-token calls.
+  const auto large = run_command(binary("03_preallocated_cache") + " --model " + golden_path("mha.bin") +
+                                 " --prompt 'In the beginning God' --max-new-tokens 10 --max-context 96 --threads 1");
+  CAPTURE(large.err);
+  CHECK(large.exit_code == 0);
+  CHECK(large.err.find(" for 30 positions + KV cache ") != std::string::npos);
+  CHECK(large.err.find("= 2 * 2 * 1 * 4 * 16 * 96 * 4 = 98304 bytes") != std::string::npos);
   const auto none = run_command(binary("03_preallocated_cache") + " --model " + golden_path("mha.bin") +
                                 " --max-new-tokens 0 --threads 1");  // it wrote a CSV row of zeros as timings
   CHECK(none.exit_code == 2);

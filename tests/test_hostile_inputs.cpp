@@ -251,6 +251,22 @@ TEST_CASE("results: an interrupted run keeps the earlier file (chapters) or the 
   for (const std::string& row : rows) CHECK(std::count(row.begin(), row.end(), ',') == 6);
 }
 
+TEST_CASE("results: a CSV path that is a symbolic link writes the file it leads to, and the link stays") {
+  TempDir dir;
+  std::filesystem::create_directory(dir.file("real"));
+  const std::string target = dir.file("real/steps.csv"), link = dir.file("steps.csv");
+  std::ofstream(target) << "earlier results\n";
+  std::filesystem::create_symlink(target, link);
+  const auto r = run_command(binary("01_naive_generation") + small_model() + " --max-new-tokens 3 --csv " + link);
+  CHECK(r.exit_code == 0);
+  CHECK(std::filesystem::is_symlink(link));  // it was replaced by a regular file holding the results
+  const std::vector<std::string> rows = lines_of(target);
+  REQUIRE(!rows.empty());
+  CHECK(rows[0] == "step,context_tokens,ms");
+  for (const auto& entry : std::filesystem::directory_iterator(dir.file("real")))
+    CHECK(entry.path().filename() == "steps.csv");  // no temporary left beside the target
+}
+
 TEST_CASE("results: two runs writing the same CSV leave one complete file") {
   TempDir dir;
   const std::string csv = dir.file("same.csv");

@@ -19,17 +19,19 @@ namespace {
 
 constexpr const char* kDefaultPrompt = "And God said, ";
 
-// About ten rows, each the median time of a window of consecutive steps: one step's time is noisy (a
-// timer interrupt, the other core's work), the median of a window is not. Step 0 is left out: it is the
-// prompt's forward pass and also pays for first-touch warm-up.
+// Ten rows (fewer below ten decode steps), each the median time of a window of consecutive steps: one step's time
+// is noisy (a timer interrupt, the other core's work), the median of a window is not. The windows split the steps
+// evenly, their sizes at most one apart: a fixed size left a short last window (9 steps after ten of 99), and "grew
+// Nx" divided by its median. Step 0 is left out: it is the prompt's forward pass and also pays for first-touch
+// warm-up.
 void print_report(const std::vector<double>& step_ms, int prompt_tokens, double total_ms) {
   const int steps = static_cast<int>(step_ms.size());
   if (steps == 0) return;
   std::fprintf(stderr, "%14s %16s %16s\n", "steps", "context", "median ms/token");
-  const int window = std::max(1, (steps - 1) / 10);
+  const int decode_steps = steps - 1, windows = std::min(10, decode_steps);
   std::vector<double> medians;
-  for (int s = 1; s < steps; s += window) {
-    const int end = std::min(steps, s + window);
+  for (int w = 0; w < windows; ++w) {
+    const int s = 1 + w * decode_steps / windows, end = 1 + (w + 1) * decode_steps / windows;
     medians.push_back(kvs::median(std::vector<double>(step_ms.begin() + s, step_ms.begin() + end)));
     std::fprintf(stderr, "%6d - %5d %7d - %6d %16.3f\n", s, end - 1, prompt_tokens + s, prompt_tokens + end - 1,
                  medians.back());
