@@ -15,7 +15,7 @@ namespace kvs {
 
 // The target is the file a symbolic link at `path` leads to (weakly_canonical resolves the links of the part that
 // exists): renaming over the link itself replaced it with a regular file, and the file it pointed to kept the old
-// results.
+// results. (A link to nothing is still replaced: there is no file to write through to.)
 ReplacingFile::ReplacingFile(const std::string& path, std::string what)
     : target_(std::filesystem::weakly_canonical(std::filesystem::absolute(path)).string()), what_(std::move(what)) {
   const std::filesystem::path target(target_);

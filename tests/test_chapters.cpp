@@ -160,6 +160,12 @@ TEST_CASE("chapter 03: the cache is exactly the formula, decode allocates nothin
   CHECK(short_cache.exit_code == 2);
   CHECK(short_cache.err.find("--max-context 12 is shorter than the prompt plus --max-new-tokens (13 positions)") !=
         std::string::npos);
+  // Past the context: refused for its value, before attention's buffers are sized for it (2^21 rows of scores are
+  // 2 GiB with this model's heads: the run was refused for memory instead).
+  const auto past_context = run_command(binary("03_preallocated_cache") + " --model " + golden_path("mha.bin") +
+                                        " --prompt abc --max-new-tokens 10 --max-context 2097152 --memory-limit 64MiB");
+  CHECK(past_context.exit_code == 2);
+  CHECK(past_context.err.find("--max-context 2097152 exceeds the model's context of 96 positions") != std::string::npos);
 }
 
 TEST_CASE("chapter 04: a ring of window + chunk - 1 slots, past the trained context in the same memory") {
@@ -193,6 +199,9 @@ TEST_CASE("chapter 04: a ring of window + chunk - 1 slots, past the trained cont
   const auto bad_window = run_command(ch04 + " --experiment perplexity --windows 8,x --max-bytes 300");
   CHECK(bad_window.exit_code == 2);
   CHECK(bad_window.err.find("--windows: 'x' is not 'full' or a window of 1..96 keys") != std::string::npos);
+  const auto trailing_comma = run_command(ch04 + " --experiment perplexity --windows full,8, --max-bytes 300");
+  CHECK(trailing_comma.exit_code == 2);  // it ran full and 8, the empty item unseen
+  CHECK(trailing_comma.err.find("--windows: '' is not 'full' or a window") != std::string::npos);
   CHECK(run_command(ch04 + " --experiment everything").exit_code == 2);
   CHECK(run_command(ch04 + " --window 4 --sinks 4").exit_code == 2);
   CHECK(run_command(ch04 + " --window 8 --max-new-tokens 0").exit_code == 2);  // "0 positions went through a ring"

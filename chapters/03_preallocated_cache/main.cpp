@@ -49,6 +49,11 @@ int main(int argc, char** argv) {
   parser.parse(argc, argv);
 
   return kvs::run_main(parser, [&] {
+    // --max-context against the model's context first (the checkpoint's header), before attention is sized for it: 2^21
+    // rows of scores were refused for memory, or allocated, before the value was.
+    if (const int context = kvs::Checkpoint(kvs::resolve_model_path(options)).config().seq_len; max_context > context)
+      throw kvs::UsageError("--max-context " + std::to_string(max_context) + " exceeds the model's context of " +
+                            std::to_string(context) + " positions");
     // The model's calls are the prompt's (or its chunks) and single tokens: its buffers are for the prompt plus the
     // new tokens (0), and attention's for a view of --max-context rows. (Sized for --max-context positions, a
     // 14-token prompt in a cache of 2,048 planned 17.3 MiB of buffers for calls of 2,048 tokens it never makes.)
@@ -56,9 +61,6 @@ int main(int argc, char** argv) {
     const kvs::ModelConfig& c = rt.model.config();
     const int needed = static_cast<int>(rt.prompt.size()) + options.max_new_tokens;
     if (max_context == 0) max_context = needed;
-    if (max_context > c.seq_len)
-      throw kvs::UsageError("--max-context " + std::to_string(max_context) + " exceeds the model's context of " +
-                            std::to_string(c.seq_len) + " positions");
     if (max_context < needed)
       throw kvs::UsageError("--max-context " + std::to_string(max_context) + " is shorter than the prompt plus "
                             "--max-new-tokens (" + std::to_string(needed) + " positions)");
