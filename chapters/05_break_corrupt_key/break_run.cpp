@@ -83,12 +83,15 @@ BreakRun run_greedy(Model& model, std::span<const int> prompt, int new_tokens, c
   // Every run observed, its weights kept or not: asked for the weights, a backend may take another attention path
   // (CUDA: a block per query and head, not the split decoding kernel), whose sums end in other last bits, and this
   // chapter compares runs bit for bit - teacher-forced with every row restored must give KL 0, not 1e-14.
-  AttentionOnPosition unkept(config, 0, 0, 0);
+  struct Unkept final : AttentionObserver {  // observes, and keeps nothing
+    void on_attention(int, int, int, const KvView&, std::span<const float>) override {}
+  } unkept;
   struct Detach {  // on every way out, a throw included: the model must not keep a pointer to `unkept`
     Model& model;
     ~Detach() { model.observe_attention(nullptr); }
   } detach{model};
-  model.observe_attention(options.attention ? options.attention : &unkept);
+  if (options.attention) model.observe_attention(options.attention);
+  else model.observe_attention(&unkept);
   Sampler greedy(config.vocab_size, {});
   const Generation g =
       generate_cached(model, *run.cache, greedy, prompt, new_tokens, 0, {}, between_steps, options.forced);
