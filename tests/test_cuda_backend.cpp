@@ -569,9 +569,10 @@ TEST_CASE("cuda kernels: a split decoding launch with more blocks per chunk than
 
 // A NaN in a key that a query sees (a corrupted cache; a coded group with a NaN scale, kv_format.h) turns that query's
 // heads of its KV head NaN, as the reference's softmax does; the other KV head's heads stay the reference's. The
-// CUDA kernels' online softmax took its running maximum with fmaxf, which drops a NaN operand: where the NaN row
-// came first, it was skipped as if hidden and the output came out finite. Decode in one chunk and in many (the
-// NaN in a later chunk and in the first), prefill in tiles of queries, and the observed path (attention_kernel).
+// CUDA kernels' online softmax took its running maximum with fmaxf, which drops a NaN operand, and divided by the
+// sum only where it was > 0, which a NaN sum is not: the output came out finite (0 or the other rows' average)
+// wherever the NaN row was. Decode in one chunk and in many (the NaN in a later chunk and in the first), prefill in
+// tiles of queries, and the observed path (attention_kernel).
 TEST_CASE("attention: a NaN in a visible key turns its heads' output NaN on every backend and kernel") {
   std::mt19937 gen(13);
   const AttentionShape shape{4, 2, 32};  // query heads 0 and 1 read KV head 0, whose key in bad_row holds the NaN
