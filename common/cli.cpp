@@ -17,7 +17,6 @@
 #include <new>
 #include <sstream>
 #include <stdexcept>
-#include <string_view>
 
 #include "backends.h"
 #include "tokenizer.h"
@@ -292,23 +291,29 @@ std::int64_t parse_bytes(const std::string& text) {
   return static_cast<std::int64_t>(bytes);
 }
 
+std::vector<std::string> split_commas(const std::string& text) {
+  std::vector<std::string> items;
+  for (std::size_t start = 0;;) {
+    const std::size_t comma = std::min(text.find(',', start), text.size());
+    items.push_back(text.substr(start, comma - start));
+    if (comma == text.size()) return items;
+    start = comma + 1;
+  }
+}
+
 std::vector<int> parse_int_list(const std::string& flag, const std::string& text, int min, int max) {
   if (text.empty()) throw UsageError(flag + " is empty; give whole numbers separated by commas");
   std::vector<int> values;
-  // Split at every comma, so an empty item (",8", "8,,40", "8,40,") is one and is refused; from_chars, as the
-  // single-number flags, takes digits with an optional '-' and nothing else (no spaces, no '+').
-  for (std::size_t start = 0;;) {
-    const std::size_t comma = std::min(text.find(',', start), text.size());
-    const std::string_view item(text.data() + start, comma - start);
+  // from_chars, as the single-number flags: digits with an optional '-' and nothing else (no spaces, no '+').
+  for (const std::string& item : split_commas(text)) {
     long long n = 0;
     const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), n);
     if (item.empty() || ec != std::errc() || end != item.data() + item.size() || n < min || n > max)
       throw UsageError(flag + " expects whole numbers from " + std::to_string(min) + " to " + std::to_string(max) +
                        " separated by commas, got '" + text + "'");
     values.push_back(static_cast<int>(n));
-    if (comma == text.size()) return values;
-    start = comma + 1;
   }
+  return values;
 }
 
 std::string format_bytes(double bytes) {

@@ -108,8 +108,11 @@ int available_cores();
 // which would round to 0 or 1 byte, are not). Throws std::invalid_argument for anything else.
 std::int64_t parse_bytes(const std::string& text);
 std::string format_bytes(double bytes);  // "5.2 MiB"
+// The items of a comma-separated list, every one between two commas, empty ones included: "8,,40," is "8", "", "40"
+// and "" (std::getline drops a trailing empty item, so a list ending in a comma passed for one that did not).
+std::vector<std::string> split_commas(const std::string& text);
 // "8,40,512" given as `flag`: whole numbers from min to max, in the order given. Throws UsageError naming
-// the flag for anything else (an empty list included).
+// the flag for anything else (an empty list or item included).
 std::vector<int> parse_int_list(const std::string& flag, const std::string& text, int min, int max);
 
 // The whole content of a regular file given as `flag` (e.g. "--prompt-file"), at most `max_bytes` bytes

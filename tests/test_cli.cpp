@@ -121,6 +121,8 @@ TEST_CASE("cli: a list is whole numbers between commas, and an empty item anywhe
     CAPTURE(bad);
     CHECK_THROWS_AS(parse_int_list("--lengths", bad, 1, 1000), UsageError);
   }
+  CHECK(split_commas("8,,40,") == std::vector<std::string>{"8", "", "40", ""});
+  CHECK(split_commas("") == std::vector<std::string>{""});
   CHECK_THROWS_WITH(parse_int_list("--lengths", "8,40,", 1, 1000),
                     "--lengths expects whole numbers from 1 to 1000 separated by commas, got '8,40,'");
 }

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
-#include <sstream>
 
 #include "cli.h"
 #include "experiments.h"
@@ -24,19 +23,15 @@ constexpr const char* kExperiments = "generate, perplexity, recall, induction, f
 // "full,1024,64" -> {0, 1024, 64}; 0 stands for no window.
 std::vector<int> parse_windows(const std::string& text, int seq_len) {
   std::vector<int> windows;
-  // Split at every comma, as parse_int_list does: an empty item anywhere ("full,8,", getline's blind spot) is refused.
-  for (std::size_t start = 0;;) {
-    const std::size_t comma = std::min(text.find(',', start), text.size());
-    const std::string item = text.substr(start, comma - start);
+  for (const std::string& item : kvs::split_commas(text)) {  // an empty item too ("full,8,"): refused below
     try {
       windows.push_back(item == "full" ? 0 : kvs::parse_int_list("--windows", item, 1, seq_len).front());
     } catch (const kvs::UsageError&) {
       throw kvs::UsageError("--windows: '" + item + "' is not 'full' or a window of 1.." + std::to_string(seq_len) +
                             " keys; give a comma-separated list such as full,256,32");
     }
-    if (comma == text.size()) return windows;
-    start = comma + 1;
   }
+  return windows;
 }
 
 }  // namespace

@@ -25,10 +25,7 @@ constexpr const char* kDefaultPrompt = "And God said, Let there be light: and th
 // per channel (QuantizedKvCache's Keys::kPerChannel), "int4o" int4 per token with KIVI's open group (kPerTokenOpen).
 std::vector<kvs::ch10::CacheFormat> parse_formats(const std::string& text) {
   std::vector<kvs::ch10::CacheFormat> formats{kvs::ch10::CacheFormat{}};
-  std::size_t from = 0;
-  while (from <= text.size()) {
-    const std::size_t comma = std::min(text.find(',', from), text.size());
-    const std::string name = text.substr(from, comma - from);
+  for (const std::string& name : kvs::split_commas(text)) {
     kvs::ch10::CacheFormat f;
     if (name == "kivi")
       f = {kvs::KvFormat::kInt4, kvs::ch10::Keys::kPerChannel};
@@ -37,7 +34,6 @@ std::vector<kvs::ch10::CacheFormat> parse_formats(const std::string& text) {
     else if (!kvs::parse_kv_format(name, f.format))
       throw kvs::UsageError("--formats: '" + name + "' is not one of fp32, fp16, bf16, int8, int4, kivi, int4o");
     if (std::find(formats.begin(), formats.end(), f) == formats.end()) formats.push_back(f);
-    from = comma + 1;
   }
   return formats;
 }
