@@ -459,6 +459,7 @@ void CpuBackend::embed(float* x, const float* table, const int* tokens, int n, i
 }
 
 void CpuBackend::matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) {
+  if (n == 0) return;  // no tokens (the split into tasks divides by n)
   Eigen::Map<const RowMajor> X(x, n, d_in);
   const int columns_per_task = matmul_columns_per_task(n, d_in, d_out);
   pool_->run((d_out + columns_per_task - 1) / columns_per_task, [&](int task) {
@@ -498,6 +499,7 @@ void CpuBackend::rope(float* x, const float* table, int n, int heads, int head_d
 
 void CpuBackend::attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
                            const AttentionShape& shape, std::span<float> scratch, float* weights) {
+  if (n == 0) return;  // no queries: no positions[0] to read
   const int pos = positions[0];  // queries i at pos + i (backend.h)
   // Each head owns a fixed slice of the scratch, (kQueryBlock, max_rows) scores, whatever this view's size.
   const std::size_t head_stride = scratch.size() / shape.n_heads;

@@ -628,3 +628,50 @@ TEST_CASE("backends: a copy between overlapping ranges is refused on every backe
     CHECK_NOTHROW(backend->copy(buffer.data() + 20, buffer.data(), 20));
   }
 }
+
+// The CPU backend does nothing for a call of no tokens; a CUDA launch with a grid of no blocks is an error (on a GPU
+// and in the harness), so every CUDA operation must check for it. The model never asks, but a batch may hold an empty
+// part (attention_batch calls attention per part).
+TEST_CASE("backends: an operation on no tokens does nothing on every backend") {
+  const AttentionShape shape{4, 2, 32};
+  const int dim = shape.n_heads * shape.head_dim, kv_dim = shape.n_kv_heads * shape.head_dim, hidden = 96, rows = 8;
+  for (const std::string& name : test::test_backend_names()) {
+    CAPTURE(name);
+    const std::unique_ptr<Backend> owner = test::make_test_backend(name);
+    Backend& b = *owner;
+    // Every output holds -7, and must still hold it after the calls.
+    const std::vector<float> sevens(std::size_t(rows) * hidden, -7.0f);
+    Buffer out = test::to_backend(b, sevens), gate = test::to_backend(b, sevens), up = test::to_backend(b, sevens),
+           normed = test::to_backend(b, sevens), keys = test::to_backend(b, sevens), values = test::to_backend(b, sevens);
+    const Buffer x = test::to_backend(b, std::vector<float>(std::size_t(rows) * hidden, 0.5f));
+    const std::vector<float> w(std::size_t(dim) * dim, 0.01f);  // large enough for each matrix below
+    const float* w_dim = b.upload_matrix(w.data(), dim, dim);
+    const float* w_hidden = b.upload_matrix(w.data(), hidden, dim);
+    const float* w_down = b.upload_matrix(w.data(), dim, hidden);
+    // No token ids or positions: a call of no tokens has none to read.
+    const int* const tokens = nullptr;
+    const int* const positions = nullptr;
+    Buffer scratch(b, b.attention_scratch_floats(shape, rows, 2));
+    const KvView view{.keys = x.data(), .values = x.data(), .rows = rows, .row_stride = kv_dim};
+
+    b.embed(out.data(), x.data(), tokens, 0, dim);
+    b.matmul(out.data(), x.data(), w_dim, 0, dim, dim);
+    b.rmsnorm(out.data(), x.data(), x.data(), 0, dim);
+    b.rope_table(out.data(), positions, 0, shape.head_dim);
+    b.rope(out.data(), x.data(), 0, shape.n_heads, shape.head_dim);
+    b.attention(out.data(), x.data(), positions, 0, view, shape, {scratch.data(), scratch.size()}, nullptr);
+    b.attention(out.data(), x.data(), positions, 0, view, shape, {scratch.data(), scratch.size()}, out.data());
+    const std::vector<Backend::AttentionPart> parts{{0, 0, view}, {0, 0, view}};
+    b.attention_batch(out.data(), x.data(), positions, parts, shape, {scratch.data(), scratch.size()});
+    b.write_rows(keys.data(), kv_dim, positions, Ring::unbounded(), x.data(), 0, kv_dim);
+    b.write_key_value_rows(keys.data(), values.data(), kv_dim, positions, Ring::unbounded(), x.data(), x.data(),
+                           0, kv_dim);
+    b.swiglu(gate.data(), x.data(), 0);
+    b.add(out.data(), x.data(), 0);
+    const std::vector<Backend::Product> products{{out.data(), w_dim, dim}};
+    b.norm_products(normed.data(), x.data(), x.data(), 0, dim, shape.head_dim, products);
+    b.norm_swiglu(gate.data(), up.data(), normed.data(), x.data(), x.data(), w_hidden, w_hidden, 0, dim, hidden);
+    b.matmul_add(out.data(), gate.data(), x.data(), w_down, 0, hidden, dim);
+    for (const Buffer* buffer : {&out, &gate, &up, &normed, &keys, &values}) CHECK(test::from_backend(b, *buffer) == sevens);
+  }
+}

@@ -1194,27 +1194,34 @@ class CudaBackend final : public Backend {
     KVS_CUDA_CHECK(cudaGraphLaunch(graph_, stream_));
   }
 
+  // Every operation on no tokens (n or count 0) returns at once, as the CPU's do: a grid of no blocks is an invalid
+  // launch. The model never asks for one; a batch may hold an empty part.
   void embed(float* x, const float* table, const int* tokens, int n, int dim) override {
+    if (n == 0) return;
     KVS_LAUNCH(embed_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_, x, table, tokens, dim);
   }
   void matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) override {
     blas_.matmul_rows(out, x, w, n, d_in, d_out);
   }
   void rmsnorm(float* out, const float* x, const float* weight, int n, int dim) override {
+    if (n == 0) return;
     KVS_LAUNCH(rmsnorm_kernel, dim3(n), dim3(kThreads), 0, queue_, out, x, weight, dim);
   }
   void rope_table(float* table, const int* positions, int n, int head_dim) override {
+    if (n == 0) return;
     // A thread per (position, pair), not blocks_for's capped grid: the kernel has no stride loop, and a prefill of
     // 16,385 positions with heads of 128 (over 4,096 blocks) left the table's later rows unwritten.
     KVS_LAUNCH(rope_table_kernel, dim3(blocks_for_each(std::size_t(n) * (head_dim / 2))), dim3(kThreads), 0, queue_,
                table, positions, n, head_dim);
   }
   void rope(float* x, const float* table, int n, int heads, int head_dim) override {
+    if (n == 0) return;
     KVS_LAUNCH(rope_kernel, dim3(blocks_for_each(std::size_t(n) * heads * head_dim / 2)), dim3(kThreads), 0, queue_, x,
                table, n, heads, head_dim);
   }
   void attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
                  const AttentionShape& shape, std::span<float> scratch, float* weights) override {
+    if (n == 0) return;
     if (shape.head_dim > kMaxHeadDim)
       throw std::invalid_argument("attention: head_dim " + std::to_string(shape.head_dim) +
                                   " is larger than the CUDA kernel's " + std::to_string(kMaxHeadDim));
@@ -1347,7 +1354,7 @@ class CudaBackend final : public Backend {
 
   void write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
                   int width) override {
-    if (n > 0)  // a grid of no blocks is an invalid launch
+    if (n > 0)
       KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_,
                  RowSides{{rows, nullptr}, {src, nullptr}}, row_stride, positions, ring, width);
   }
@@ -1363,7 +1370,7 @@ class CudaBackend final : public Backend {
   }
   void write_paged_rows(float* rows, int row_stride, const int* positions, BlockTable table, const float* src, int n,
                         int width) override {
-    if (n > 0)  // a grid of no blocks is an invalid launch
+    if (n > 0)
       KVS_LAUNCH(write_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_,
                  RowSides{{rows, nullptr}, {src, nullptr}}, row_stride, positions, table, width);
   }
@@ -1388,13 +1395,13 @@ class CudaBackend final : public Backend {
     }
   }
   void write_coded_rows(const CodedRows& rows, const int* positions, Ring ring, const float* src, int n) override {
-    if (n > 0)  // a grid of no blocks is an invalid launch
+    if (n > 0)
       KVS_LAUNCH(write_coded_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_, rows,
                  positions, ring, src);
   }
   void write_paged_coded_rows(const CodedRows& rows, const int* positions, BlockTable table, const float* src,
                               int n) override {
-    if (n > 0)  // a grid of no blocks is an invalid launch
+    if (n > 0)
       KVS_LAUNCH(write_coded_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_, rows,
                  positions, table, src);
   }
@@ -1404,9 +1411,11 @@ class CudaBackend final : public Backend {
                  first_group, src);
   }
   void swiglu(float* gate, const float* up, std::size_t count) override {
+    if (count == 0) return;
     KVS_LAUNCH(swiglu_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, queue_, gate, up, count);
   }
   void add(float* x, const float* y, std::size_t count) override {
+    if (count == 0) return;
     KVS_LAUNCH(add_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, queue_, x, y, count);
   }
 
@@ -1419,6 +1428,7 @@ class CudaBackend final : public Backend {
   // 16-byte loads where every row the kernel reads starts on 16 bytes; one float at a time otherwise.
   template <GemvStore kStore>
   void launch_gemv(const GemvArgs& a) {
+    if (a.n == 0) return;
     bool aligned = a.d_in % 4 == 0 && aligned16(a.x) && aligned16(a.norm_weight) && aligned16(a.up);
     for (int p = 0; p < a.count; ++p) aligned = aligned && aligned16(a.products[p].w);
     if (aligned) launch_gemv_tokens<4, kStore>(a);
