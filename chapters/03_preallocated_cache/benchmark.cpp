@@ -134,7 +134,9 @@ int main(int argc, char** argv) {
     }
     // The sweep takes prefixes of the prompt; the longest run is the longest length plus its new tokens.
     const int longest = *std::max_element(asked_lengths.begin(), asked_lengths.end()) + options.max_new_tokens;
-    kvs::Runtime rt(options, default_prompt, kvs::PromptFit::kCutByCaller, longest);
+    // --context-wall runs no model: its buffers for one token, not the sweep's longest (they are part of the
+    // "model" its prediction subtracts from the budget).
+    kvs::Runtime rt(options, default_prompt, kvs::PromptFit::kCutByCaller, context_wall ? 1 : longest);
     const kvs::ModelConfig& c = rt.model.config();
     if (const int too_long = *std::max_element(asked_lengths.begin(), asked_lengths.end());
         parser.given("--lengths") && too_long > c.seq_len)
