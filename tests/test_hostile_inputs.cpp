@@ -17,6 +17,7 @@
 
 #include "checkpoint.h"
 #include "cli.h"
+#include "csv.h"
 #include "test_backends.h"
 #include "test_util.h"
 
@@ -445,6 +446,35 @@ TEST_CASE("results: CSV fields that hold commas or quotes are quoted") {
   REQUIRE(rows.size() == 2);
   const std::string quoted_path = dir.file("a,\"\"b\"\".txt");  // quotes inside a quoted field are doubled
   CHECK(rows[1].rfind("\"" + quoted_path + "\",", 0) == 0);
+}
+
+TEST_CASE("results: a CSV number reads back as the number written, to the last bit") {
+  TempDir dir;
+  const std::string path = dir.file("numbers.csv");
+  kvs::CsvWriter csv({"--csv", path}, "double,float,count");
+  const double third = 1.0 / 3.0, bits = 1.5686190185546875, tiny = 2.5e-9;
+  const float tenth = 0.1f;
+  csv.row(third, tenth, 7);
+  csv.row(bits, -tenth, -1);
+  csv.row(tiny, 1e30f, 0);
+  csv.commit();
+  const std::vector<std::string> rows = lines_of(path);
+  REQUIRE(rows.size() == 4);
+  auto fields = [&](int row) {
+    std::vector<std::string> out;
+    std::stringstream line(rows[row]);
+    for (std::string field; std::getline(line, field, ',');) out.push_back(field);
+    REQUIRE(out.size() == 3);
+    return out;
+  };
+  CHECK(std::stod(fields(1)[0]) == third);  // 6 digits (0.333333) is not 1/3 of a double
+  CHECK(std::stof(fields(1)[1]) == tenth);
+  CHECK(fields(1)[1] == "0.1");  // a float's shortest text, not the double it widens to (0.10000000149011612)
+  CHECK(fields(1)[2] == "7");
+  CHECK(std::stod(fields(2)[0]) == bits);
+  CHECK(std::stof(fields(2)[1]) == -tenth);
+  CHECK(std::stod(fields(3)[0]) == tiny);
+  CHECK(std::stof(fields(3)[1]) == 1e30f);
 }
 
 TEST_CASE("memory: a huge trained context does not make a short run allocate for it") {
