@@ -69,8 +69,10 @@ struct KvView {
   int row_stride = 0;
   // Row r holds position row_positions[r] (backend memory, like the rows: a ring cache keeps it there with
   // Backend::write_positions; a negative value marks an empty row), or, when row_positions is null, position
-  // first_position + r. A row a query may not see (key_visible) never
-  // contributes to its output, whatever the row's bytes: an empty slot may hold anything, NaN included.
+  // first_position + r. A row that no query of the call may see (key_visible) never contributes to the output,
+  // whatever its bytes: an empty slot may hold anything, NaN included. (A row that only the call's later queries
+  // see, written by the call itself, is multiplied by a weight of 0 for the earlier ones in a prefill's products,
+  // on the CPU and in the GPU's tiles: a NaN the model put there reaches them as 0 · NaN. The reference skips it.)
   const int* row_positions = nullptr;
   int first_position = 0;
   Window window = Window{};  // see key_visible
