@@ -669,3 +669,26 @@ TEST_CASE("chapter 06: the off-by-one cache fails the equivalence check the corr
                             "--probe-tokens 5,x", "--experiment probes --probe-tokens 96"})
     CHECK(run_command(ch06 + " " + flags).exit_code == 2);
 }
+
+TEST_CASE("chapters 08 and 09: text on stdout comes before the report after it on stderr, into a pipe or a file too") {
+  // A pipe or a file makes stdout fully buffered: without a flush the text came out at exit, after the report that
+  // follows it (as in the book's transcripts, which read both streams from one pipe).
+  struct Case {
+    std::string command, text, report_after;
+  };
+  for (const Case& k : {Case{binary("08_paged_batching") + " --requests 2 --token-budget 32 --max-batch 4 "
+                                                           "--prompt-lengths 4,8 --output-lengths 2,3",
+                             "[request 0]", "checking every output"},
+                        Case{binary("09_prefix_sharing") + " --samples 2 --max-new-tokens 3 --prompt 'In the beginning'",
+                             "[sample 1]", "KV cache held at the peak"}}) {
+    CAPTURE(k.command);
+    // Both streams into run_command's one file (a file buffers stdout as a pipe does).
+    const auto r = run_command("(" + k.command + " --model " + golden_path("mha.bin") + " --threads 1 2>&1)");
+    REQUIRE(r.exit_code == 0);
+    const std::size_t text = r.out.find(k.text), report = r.out.find(k.report_after);
+    CAPTURE(r.out);
+    REQUIRE(text != std::string::npos);
+    REQUIRE(report != std::string::npos);
+    CHECK(text < report);
+  }
+}

@@ -159,6 +159,7 @@ int serve_trace(Setup& s) {
   const RunStats stats = serve(s.rt.model, pool, s.requests, s.options, results, report_to(progress));
   for (std::size_t i = 0; i < std::min<std::size_t>(2, results.size()); ++i)
     std::printf("[request %zu] %s|%s\n", i, decode_on_one_line(s.requests[i].prompt).c_str(), decode_on_one_line(results[i].output).c_str());
+  std::fflush(stdout);  // before the report on stderr, also where stdout is a pipe (fully buffered): a terminal's order
 
   const auto ttft = collect(results, &RequestResult::time_to_first_token_ms);
   const auto tpot = collect(results, &RequestResult::time_per_output_token_ms);  // per request, for the CSV
@@ -442,6 +443,7 @@ int break_double_free(Setup& s) {
     if (victims++ == 0) {
       std::printf("request %zu, prompt: %s\n  served correctly: %s\n  with the double free: %s\n", i,
                   decode_on_one_line(s.requests[i].prompt).c_str(), decode_on_one_line(expected[i]).c_str(), decode_on_one_line(results[i].output).c_str());
+      std::fflush(stdout);  // between the stderr lines around it, also through a pipe
     }
   }
   std::fprintf(stderr, "%d of %zu requests got different text; checked against each request alone, as serve does, every one "

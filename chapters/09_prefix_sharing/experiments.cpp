@@ -106,6 +106,7 @@ int samples(Setup& s) {
   const SamplingRun runs[2] = {sample_prompt(s, n, false), sample_prompt(s, n, true)};
   std::printf("%s\n", decode_on_one_line(prompt).c_str());
   for (int i = 0; i < n; ++i) std::printf("  [sample %d] ...%s\n", i, decode_on_one_line(runs[1].outputs[i]).c_str());
+  std::fflush(stdout);  // before the report on stderr, also where stdout is a pipe (fully buffered): a terminal's order
   const double bytes = double(block_bytes(s));
   std::fprintf(stderr, "KV cache held at the peak: %s shared (%d blocks), %s as %d separate requests (%d blocks): %.2fx; "
                        "%ld prompt tokens prefilled instead of %ld; %ld blocks copied on write\n",
@@ -333,6 +334,7 @@ int break_copy_on_write(Setup& s) {
       std::printf("sample %d, prompt: %s\n  with copy-on-write:    %s|%s\n  without copy-on-write: %s|%s\n", i,
                   decode_on_one_line(prompt).c_str(), decode_on_one_line(good.first(at)).c_str(), decode_on_one_line(good.subspan(at)).c_str(),
                   decode_on_one_line(bad.first(at)).c_str(), decode_on_one_line(bad.subspan(at)).c_str());
+      std::fflush(stdout);  // between the stderr lines around it, also through a pipe
     }
   }
   std::fprintf(stderr, "%d of %d samples changed (| marks where); checked against each sample alone (chapter 03's cache, same "
