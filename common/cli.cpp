@@ -182,6 +182,9 @@ ArgParser::Outcome ArgParser::try_parse(int argc, const char* const* argv) {
     }
     const Flag* flag = find(arg);
     if (!flag) return {.help = false, .error = "unknown option '" + arg + "'"};
+    // The last of two would win without a word: a script that adds its own --threads to the caller's ran with one of
+    // them, and `--csv a --csv b` wrote b alone.
+    if (given_.contains(arg)) return {.help = false, .error = arg + " is given twice; give it once"};
     if (flag->value_name.empty()) {
       if (inline_value) return {.help = false, .error = arg + " takes no value"};
     } else if (!inline_value) {

@@ -589,7 +589,10 @@ TEST_CASE("chapter 05: corrupts one cached key on a small checkpoint, writes its
            {"--seeds 2", "--seeds is for --experiment sweep"},
        }) {
     CAPTURE_BINDING(flags);
-    const auto bad = run_command(ch05 + " --layer 0 --position 5 --prompt 'In the beginning God created' --max-new-tokens 30 " + flags);
+    std::string command = ch05 + " --max-new-tokens 30 " + flags;
+    for (const auto& [flag, value] : {std::pair{"--layer", "0"}, {"--position", "5"}, {"--prompt", "'In the beginning God created'"}})
+      if (flags.find(flag) == std::string::npos) command += std::string(" ") + flag + " " + value;  // a flag once
+    const auto bad = run_command(command);
     CAPTURE(bad.err);
     CHECK(bad.exit_code == 2);
     CHECK(bad.err.find(message) != std::string::npos);
@@ -606,7 +609,7 @@ TEST_CASE("chapter 05: corrupts one cached key on a small checkpoint, writes its
 TEST_CASE("chapter 05: the default position follows the prompt's length") {
   // The shipped model. A 204-byte prompt: the old fixed default, position 200, fell outside every prompt shorter
   // than 201 bytes. The default is 28 positions before the newest one cached at the corruption.
-  const std::string ch05 = binary("05_break_corrupt_key") + " --threads 1 --max-new-tokens 30";
+  const std::string ch05_any_length = binary("05_break_corrupt_key") + " --threads 1", ch05 = ch05_any_length + " --max-new-tokens 30";
   const std::string prompt = "And God said, Let there be light: and there was light. And God saw the light, that it was good: "
                              "and God divided the light from the darkness. And God called the light Day, and the darkness he "
                              "called Night.";
@@ -631,8 +634,8 @@ TEST_CASE("chapter 05: the default position follows the prompt's length") {
   CHECK(refused.out.empty());
   CHECK(run_command(ch05 + short_prompt + " --position 30").exit_code == 0);
   // The boundary: 54 + 45 = 99 positions cached at the corruption is one too few; 54 + 46 = 100 runs.
-  CHECK(run_command(ch05 + short_prompt + " --at-step 45 --max-new-tokens 60").err.find("leave 99 positions") != std::string::npos);
-  const auto later = run_command(ch05 + short_prompt + " --at-step 46 --max-new-tokens 60");
+  CHECK(run_command(ch05_any_length + short_prompt + " --at-step 45 --max-new-tokens 60").err.find("leave 99 positions") != std::string::npos);
+  const auto later = run_command(ch05_any_length + short_prompt + " --at-step 46 --max-new-tokens 60");
   CAPTURE(later.err);
   CHECK(later.exit_code == 0);
   CHECK(later.err.find("--position not given: 71,") != std::string::npos);  // 54 + 46 - 1 - 28

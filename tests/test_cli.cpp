@@ -48,6 +48,14 @@ TEST_CASE("cli: the common flags parse, in both --flag value and --flag=value fo
   CHECK(parse({"--help"}).outcome.help);
 }
 
+TEST_CASE("cli: a flag given twice is refused, whatever its form, not the last one taken") {
+  CHECK(parse({"--threads", "1", "--threads", "2"}).outcome.error == "--threads is given twice; give it once");
+  CHECK(parse({"--csv=a.csv", "--csv", "b.csv"}).outcome.error == "--csv is given twice; give it once");
+  CHECK(parse({"--seed", "1", "--threads", "1", "--seed=2"}).outcome.error == "--seed is given twice; give it once");
+  CHECK(parse({"--temperature", "0.5", "--temperature", "0.5"}).outcome.error == "--temperature is given twice; give it once");
+  CHECK(parse({"--threads", "1", "--csv", "a.csv"}).outcome.error.empty());
+}
+
 TEST_CASE("cli: --help wraps long lines at 110 columns, under the text they continue, and keeps tables aligned") {
   std::string unused;
   const std::string long_word(120, 'w');
