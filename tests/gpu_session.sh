@@ -20,7 +20,8 @@
 # test, sanitize and ab took 446 s in the 2026-11-23 call. So one call, timeout 600, the steps in the order of
 # what the session needs most (each compute-sanitizer tool and the profiler stop after SANITIZE_SECONDS, default
 # 150, and each of the profiler's three runs after PROFILE_SECONDS, 200); what a call stopped at its limit did not reach goes to a second call on the
-# still-warm machine where time is left (the build step then rebuilds nothing).
+# still-warm machine where time is left (the build step then rebuilds nothing). Exit status 1 where a build, a test, a
+# tool or a run failed (each one listed at the end), 0 where every command exited 0.
 set -uo pipefail
 out=${1:?usage: gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]}
 base=${2:-}
@@ -40,6 +41,11 @@ step_done() {
   step_start=$SECONDS
 }
 jobs=$(nproc)
+# What failed, for the last lines and the exit status: a call whose tests, tools or runs failed must not return 0.
+failed=()
+check() {  # STATUS WHAT
+  [[ $1 == 0 ]] || failed+=("$2 (exit $1)")
+}
 # The breakdowns' models (03_benchmark's flags): the shipped one, and book 07's synthetic one (fp32, 2048 wide).
 shipped="--breakdown --lengths 32,512,1984 --max-new-tokens 64"
 synthetic="--synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown --max-new-tokens 32"
@@ -77,7 +83,7 @@ step_ab() {
   # First a quick check that this build's replayed decode steps are the forward pass's on this GPU (graphs and
   # programmatic launch included): numbers from a wrong build are worth nothing.
   build/release/bin/kvs_tests -tc='recorded decoding:*' >"$out/smoke.log" 2>&1; smoke=$?
-  echo "smoke (recorded decoding on the GPU): exit $smoke"; tail -3 "$out/smoke.log"
+  echo "smoke (recorded decoding on the GPU): exit $smoke"; tail -3 "$out/smoke.log"; check $smoke "smoke"
   if [[ $smoke != 0 ]]; then  # programmatic launch not yet run on a GPU (book 07): the session goes on without it
     KVS_PROGRAMMATIC_LAUNCH=0 build/release/bin/kvs_tests -tc='recorded decoding:*' >"$out/smoke_plain.log" 2>&1 &&
       { export KVS_PROGRAMMATIC_LAUNCH=0; echo "smoke passes with KVS_PROGRAMMATIC_LAUNCH=0: the rest of this call runs with it"; }
@@ -86,7 +92,9 @@ step_ab() {
   for round in $(seq 1 "${AB_ROUNDS:-2}"); do
     for b in "${builds[@]}"; do
       build/$b/bin/03_benchmark --backend cuda $shipped --csv "$out/shipped_${b}_$round.csv" >"$out/shipped_${b}_$round.log" 2>&1
+      check $? "ab: shipped, $b, round $round"
       build/$b/bin/03_benchmark --backend cuda $synthetic --lengths 512,4096 --csv "$out/synthetic_${b}_$round.csv" >"$out/synthetic_${b}_$round.log" 2>&1
+      check $? "ab: synthetic, $b, round $round"
       echo "== round $round, $b"; grep -A4 "  context     step" "$out/shipped_${b}_$round.log" | tail -4
       grep -A3 "  context     step" "$out/synthetic_${b}_$round.log" | tail -3; grep -A3 "  context  prefill" "$out/synthetic_${b}_$round.log" | tail -2
     done
@@ -94,9 +102,11 @@ step_ab() {
     # programmatic dependent launch saves on the shipped model, whose step is mostly launches.
     KVS_PROGRAMMATIC_LAUNCH=0 build/release/bin/03_benchmark --backend cuda $shipped --csv "$out/shipped_plain_$round.csv" \
       >"$out/shipped_plain_$round.log" 2>&1
+    check $? "ab: shipped, KVS_PROGRAMMATIC_LAUNCH=0, round $round"
     echo "== round $round, release with KVS_PROGRAMMATIC_LAUNCH=0"; grep -A4 "  context     step" "$out/shipped_plain_$round.log" | tail -4
   done
   build/release/bin/03_benchmark --backend cpu --threads 1 $shipped --csv "$out/shipped_cpu1.csv" >"$out/shipped_cpu1.log" 2>&1
+  check $? "ab: one CPU core"
   echo "== one CPU core"; grep -A4 "  context     step" "$out/shipped_cpu1.log" | tail -4
   python3 tests/gpu_ab_table.py "$out" >"$out/ab_table.md" 2>&1; echo "== the A/B as book 07's tables (ab_table.md)"
   cat "$out/ab_table.md"
@@ -117,7 +127,9 @@ step_chunks() {
       synthetic_status=$?
       KVS_DECODE_CHUNKS=$chunks build/release/bin/03_benchmark --backend cuda $shipped \
         --csv "$out/shipped_${name}_$round.csv" >"$out/shipped_${name}_$round.log" 2>&1
-      echo "== round $round, KVS_DECODE_CHUNKS=$chunks: exit $synthetic_status (synthetic), $? (shipped)"
+      shipped_status=$?
+      check $synthetic_status "chunks $chunks: synthetic"; check $shipped_status "chunks $chunks: shipped"
+      echo "== round $round, KVS_DECODE_CHUNKS=$chunks: exit $synthetic_status (synthetic), $shipped_status (shipped)"
       tail -1 "$out/synthetic_${name}_$round.log" | grep error; grep -A4 "  context     step" "$out/synthetic_${name}_$round.log" | tail -4
     done
   done
@@ -128,7 +140,8 @@ step_chunks() {
 step_test() {
   start=$SECONDS
   (cd build/release && ctest -j "$jobs" -LE book --timeout 600 >"$out/ctest.log" 2>&1)
-  echo "ctest: $((SECONDS - start)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Skipped" "$out/ctest.log" | head -20
+  status=$?; check $status ctest
+  echo "ctest: exit $status, $((SECONDS - start)) s"; grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Skipped" "$out/ctest.log" | head -20
   step_done test
 }
 step_sanitize() {
@@ -140,7 +153,7 @@ step_sanitize() {
     # a time limit each (exit 124), so that a slow tool cannot eat the steps after it
     timeout "${SANITIZE_SECONDS:-150}" compute-sanitizer --tool $tool --error-exitcode 99 build/release/bin/kvs_tests \
       -tc="$cases" >"$out/sanitizer_$tool.log" 2>&1
-    status=$?
+    status=$?; check $status "compute-sanitizer $tool"
     # memcheck ends with "ERROR SUMMARY", racecheck with "RACECHECK SUMMARY: N hazards displayed"
     summary='(ERROR|RACECHECK) SUMMARY'
     echo "compute-sanitizer $tool: exit $status ($(grep -cE "$summary" "$out/sanitizer_$tool.log") summaries: $(grep -E "$summary" "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' '))"
@@ -157,7 +170,8 @@ stall_profile() {
     --section SchedulerStats --section MemoryWorkloadAnalysis --csv --page raw --print-units base \
     --log-file "$out/profile_$1.csv" build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 \
     --memory-limit 70GiB --breakdown --lengths 4096 --max-new-tokens 8 >"$out/profile_$1_run.log" 2>&1
-  echo "ncu, what the warps of $1 wait on: exit $?"
+  local status=$?; check $status "ncu, stalls of $1"
+  echo "ncu, what the warps of $1 wait on: exit $status"
   python3 tests/gpu_stall_table.py "$out/profile_$1.csv" >"$out/stalls_$1.md" 2>&1; cat "$out/stalls_$1.md"
 }
 step_profile() {
@@ -175,7 +189,8 @@ step_profile() {
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
       build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 --memory-limit 70GiB --breakdown \
       --lengths 4096 --max-new-tokens 8 >"$out/profile_run.log" 2>&1
-    echo "ncu: exit $?"
+    status=$?; check $status "ncu, kernel profile"
+    echo "ncu: exit $status"
     python3 tests/gpu_kernel_profile.py "$out/profile_ncu.csv" >"$out/profile.md" 2>&1; cat "$out/profile.md"
     # The decoding kernel once more, one launch past the first decode steps, with what its warps wait on: its time
     # hardly depends on the rows it reads (book 07, version 6), so the stall reasons say what a round of rows waits
@@ -193,7 +208,8 @@ step_profile() {
 step_chapters() {
   build/release/bin/08_paged_batching --backend cuda --experiment throughput --csv "$out/batch_throughput_gpu.csv" \
     >"$out/batch_throughput_gpu.log" 2>&1
-  echo "== chapter 08 throughput on the GPU: exit $?"; tail -12 "$out/batch_throughput_gpu.log"
+  status=$?; check $status "chapter 08 throughput"
+  echo "== chapter 08 throughput on the GPU: exit $status"; tail -12 "$out/batch_throughput_gpu.log"
   # The synthetic model twice more with the fused products limited to 8 tokens (9 to 64: cuBLAS and the small
   # kernels), interleaved with the default (tiles of 8 up to 64): which serves a large model's batch faster.
   for run in 1 2; do
@@ -202,13 +218,15 @@ step_chapters() {
       KVS_GEMV_MAX_TOKENS=$limit build/release/bin/08_paged_batching --backend cuda --experiment throughput \
         --synthetic 2048,16,16,4 --kv-memory 1GiB --memory-limit 16GiB --prompt-lengths 16,16 --output-lengths 64,64 \
         --csv "$out/$name.csv" >"$out/$name.log" 2>&1
-      echo "== chapter 08 throughput, synthetic 2048,16,16,4, fused products up to $limit tokens, run $run: exit $?"
+      status=$?; check $status "chapter 08 throughput, synthetic, $limit tokens, run $run"
+      echo "== chapter 08 throughput, synthetic 2048,16,16,4, fused products up to $limit tokens, run $run: exit $status"
       tail -12 "$out/$name.log"
     done
   done
   build/release/bin/10_quantized_cache --backend cuda --experiment speed --csv "$out/kv_format_speed_gpu.csv" \
     >"$out/kv_format_speed_gpu.log" 2>&1
-  echo "== chapter 10 speed on the GPU: exit $?"; tail -12 "$out/kv_format_speed_gpu.log"
+  status=$?; check $status "chapter 10 speed"
+  echo "== chapter 10 speed on the GPU: exit $status"; tail -12 "$out/kv_format_speed_gpu.log"
   step_done chapters
 }
 step_transcripts() {
@@ -219,7 +237,8 @@ step_transcripts() {
     step_done transcripts; return
   fi
   python3 book/transcripts.py --gpu-only book/07_the_same_cache_on_a_gpu.md >"$out/transcripts.log" 2>&1
-  echo "transcripts: exit $?"; tail -5 "$out/transcripts.log"; cp book/07_the_same_cache_on_a_gpu.md "$out/"
+  status=$?; check $status transcripts
+  echo "transcripts: exit $status"; tail -5 "$out/transcripts.log"; cp book/07_the_same_cache_on_a_gpu.md "$out/"
   cp -r plots/data/gpu "$out/plots_data_gpu"
   step_done transcripts
 }
@@ -227,3 +246,8 @@ for step in "${step_list[@]}"; do
   step_start=$SECONDS
   "step_$step"
 done
+if ((${#failed[@]})); then
+  echo "FAILED, ${#failed[@]}:"; printf '  %s\n' "${failed[@]}"
+  exit 1
+fi
+echo "every step's commands exited 0"

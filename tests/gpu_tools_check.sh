@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's tools, checked where there is no GPU (a lent GPU's minutes are too few to find a typo in them):
-# tests/gpu_session.sh parses and refuses an unknown step; tests/gpu_ab_table.py makes the A/B table, the chunks
+# tests/gpu_session.sh parses, refuses an unknown step and exits 1 when its runs fail; tests/gpu_ab_table.py makes the A/B table, the chunks
 # step's rows included, from breakdown CSVs named as gpu_session.sh names them (a stored GPU run's CSV stands in);
 # tests/gpu_stall_table.py makes the stall table.
 # Usage: bash tests/gpu_tools_check.sh PYTHON3 (from anywhere).
@@ -14,6 +14,13 @@ if bash "$root/tests/gpu_session.sh" "$work/session" "" build,nonsense >"$work/r
   echo "gpu_session.sh ran an unknown step"; exit 1
 fi
 grep -q "no step 'nonsense'" "$work/refused.log" || { echo "gpu_session.sh refused an unknown step without naming it"; exit 1; }
+# A step whose runs fail (here: no binaries in an empty folder, so every one exits 127) makes the session exit 1 and
+# list them; it once exited 0 after failed tests, with the archive's tar the last status.
+if (cd "$work" && mkdir empty && cd empty && bash "$root/tests/gpu_session.sh" "$work/failing" "" chapters) >"$work/failing.log" 2>&1; then
+  echo "gpu_session.sh exited 0 after its runs failed"; cat "$work/failing.log"; exit 1
+fi
+grep -q "^FAILED, 6:" "$work/failing.log" || { echo "gpu_session.sh did not list its 6 failed runs"; cat "$work/failing.log"; exit 1; }
+grep -q "^  chapter 10 speed (exit 127)" "$work/failing.log" || { echo "gpu_session.sh did not name a failed run"; exit 1; }
 csv=$root/plots/data/gpu/breakdown_h100_synthetic_cuda_v6.csv
 mkdir "$work/out"
 for name in synthetic_base_1 synthetic_release_1 synthetic_chunks-128-16_1 synthetic_chunks-32-64_1 synthetic_chunks-64-64_1; do
