@@ -8,6 +8,7 @@
 # Several groups may be given. On a system without apt-get it lists what to install by hand and fails.
 set -euo pipefail
 
+[ $# -gt 0 ] || { echo "install-deps: name a group: build, plots, corpus or train (several may be given)" >&2; exit 2; }
 packages=()
 for group in "$@"; do
   case "$group" in
@@ -38,4 +39,5 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 echo "install-deps: installing Debian packages: ${missing[*]}" >&2
 $sudo apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+# Through env: sudo's env_reset would drop a variable set before it, and tzdata (matplotlib's) would ask its question.
+$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
