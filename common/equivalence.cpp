@@ -48,8 +48,7 @@ Equivalence check_equivalence(const RecordedRun& reference, const RecordedRun& r
     const auto& a = reference.logits[step];
     const auto& b = run.logits[step];
     if (a.size() != b.size()) throw std::invalid_argument("check_equivalence: logits of different vocabularies");
-    float worst = 0;
-    for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
+    const float worst = max_abs_difference(a, b);
     if (!(worst <= tolerance) && e.first_logit_mismatch < 0) e.first_logit_mismatch = step;  // NaN counts too
     e.worst_logit_difference = std::isnan(worst) ? worst : std::max(e.worst_logit_difference, worst);
     e.steps = step + 1;
@@ -63,15 +62,26 @@ Equivalence check_equivalence(const RecordedRun& reference, const RecordedRun& r
   return e;
 }
 
+float max_abs_difference(std::span<const float> a, std::span<const float> b) {
+  if (a.size() != b.size())
+    throw std::invalid_argument("max_abs_difference: vectors of " + std::to_string(a.size()) + " and " +
+                                std::to_string(b.size()) + " numbers");
+  float worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const float difference = std::abs(a[i] - b[i]);
+    if (std::isnan(difference)) return difference;
+    worst = std::max(worst, difference);
+  }
+  return worst;
+}
+
 LogitDivergence logit_divergence(std::span<const float> reference, std::span<const float> other) {
   if (reference.size() != other.size() || reference.empty())
     throw std::invalid_argument("logit_divergence: two distributions over the same, non-empty vocabulary");
   const std::vector<double> p = log_softmax(reference), q = log_softmax(other);
   LogitDivergence d;
-  for (std::size_t i = 0; i < p.size(); ++i) {
-    d.kl += std::exp(p[i]) * (p[i] - q[i]);
-    d.max_abs_logit = std::max(d.max_abs_logit, std::abs(reference[i] - other[i]));
-  }
+  for (std::size_t i = 0; i < p.size(); ++i) d.kl += std::exp(p[i]) * (p[i] - q[i]);
+  d.max_abs_logit = max_abs_difference(reference, other);
   d.kl = std::max(0.0, d.kl);  // rounding can leave -1e-17 for identical distributions
   return d;
 }

@@ -11,6 +11,8 @@
 // Greedy tokens are compared up to the first near-tie: a step where the reference's two best logits are
 // within the tolerance, so rounding may legitimately pick either (transformers' cached-vs-recompute test
 // does the same); logits are compared up to and including that step.
+#include <algorithm>
+#include <cmath>
 #include <functional>
 #include <span>
 #include <vector>
@@ -41,6 +43,13 @@ struct Equivalence {
 // prompt of prompt_len tokens). Throws std::invalid_argument when they did not.
 Equivalence check_equivalence(const RecordedRun& reference, const RecordedRun& run, int prompt_len,
                               float tolerance = kLogitTolerance);
+
+// max |a[i] - b[i]| over two vectors of one size (throws std::invalid_argument otherwise); NaN where any difference is
+// NaN (either side NaN, or both infinite alike), so that no tolerance passes it. (std::max(worst, NaN) keeps worst:
+// a loop of it passed NaN logits as equal.)
+float max_abs_difference(std::span<const float> a, std::span<const float> b);
+// The larger of two such differences, NaN where either is: for a worst over several comparisons.
+inline float worst_difference(float a, float b) { return std::isnan(a) ? a : std::isnan(b) ? b : std::max(a, b); }
 
 // The difference between two next-token distributions given as logits (vocab each).
 struct LogitDivergence {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cpu_backend.h"
+#include "equivalence.h"
 #include "generate.h"
 #include "kv_cache.h"
 #include "model.h"
@@ -188,9 +189,7 @@ TEST_CASE("matmul: split into tasks of output columns, it equals a plain loop, a
     cpu1.matmul(one.data(), x.data(), cpu1.upload_matrix(w.data(), s.d_out, s.d_in), s.n, s.d_in, s.d_out);
     cpu2.matmul(two.data(), x.data(), cpu2.upload_matrix(w.data(), s.d_out, s.d_in), s.n, s.d_in, s.d_out);
     // Sums of up to 384 products of N(0, 1) values: |sum| ~ 20, float rounding ~1e-5 of that.
-    float worst = 0;
-    for (std::size_t i = 0; i < expected.size(); ++i) worst = std::max(worst, std::abs(one[i] - expected[i]));
-    CHECK(worst <= 1e-3f);
+    CHECK(max_abs_difference(one, expected) <= 1e-3f);
     CHECK(std::memcmp(one.data(), two.data(), one.size() * sizeof(float)) == 0);
   }
 }
@@ -220,9 +219,8 @@ TEST_CASE("matmul: a token in a product of up to 64 tokens gets the bits it gets
     for (int i = 0; i < kMost; ++i)
       cpu.matmul(alone.data() + std::size_t(i) * s.d_out, x.data() + std::size_t(i) * s.d_in, weights, 1, s.d_in, s.d_out);
     const std::vector<float> expected = plain_matmul(x, w, kMost, s.d_in, s.d_out);
-    float worst = 0;  // sums of up to 1100 products of N(0, 1) values: |sum| ~ 33, float rounding ~1e-5 of that
-    for (std::size_t i = 0; i < expected.size(); ++i) worst = std::max(worst, std::abs(alone[i] - expected[i]));
-    CHECK(worst <= 1e-3f);
+    // Sums of up to 1100 products of N(0, 1) values: |sum| ~ 33, float rounding ~1e-5 of that.
+    CHECK(max_abs_difference(alone, expected) <= 1e-3f);
     for (int n = 2; n <= kMost; ++n) {
       CAPTURE(n);
       std::vector<float> batch(std::size_t(n) * s.d_out);

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -149,6 +150,25 @@ TEST_CASE("equivalence: on every other backend, every cache policy reproduces th
   }
 }
 
+TEST_CASE("equivalence: a NaN logit is a mismatch, also where the greedy tokens agree") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  CHECK(max_abs_difference(std::vector<float>{1, 2, 3}, std::vector<float>{1, 2.5f, 3}) == 0.5f);
+  CHECK(std::isnan(max_abs_difference(std::vector<float>{1, 2, 3}, std::vector<float>{1, nan, 3})));
+  CHECK(std::isnan(max_abs_difference(std::vector<float>{nan, 2, 3}, std::vector<float>{1, 2, 9})));  // not 6
+  CHECK_THROWS_AS(max_abs_difference(std::vector<float>{1}, std::vector<float>{1, 2}), std::invalid_argument);
+  CHECK(worst_difference(1, 2) == 2);
+  CHECK(std::isnan(worst_difference(nan, 2)));
+  CHECK(std::isnan(worst_difference(2, nan)));  // std::max(2, nan) is 2
+  // Token 1 wins both steps in both runs (argmax skips NaN); step 1 of the run has a NaN where the reference has 0.
+  const Run reference{{7, 1, 1}, {{0, 5, 1}, {0, 5, 1}}}, run{{7, 1, 1}, {{0, 5, 1}, {nan, 5, 1}}};
+  const Equivalence e = check_equivalence(reference, run, 1);
+  CHECK(e.first_token_mismatch == -1);
+  CHECK(e.first_logit_mismatch == 1);
+  CHECK(std::isnan(e.worst_logit_difference));
+  CHECK_FALSE(e.passed());
+  CHECK(std::isnan(logit_divergence(reference.logits[1], run.logits[1]).max_abs_logit));
+}
+
 TEST_CASE("equivalence: the comparison catches a cache that hides its newest key") {
   // A preallocated cache whose view leaves out the last row: each query misses its own key.
   struct ForgetfulCache final : KvCache {
@@ -181,8 +201,7 @@ TEST_CASE("equivalence: the comparison catches a cache that hides its newest key
   });
   float worst = 0;
   for (std::size_t step = 0; step < naive.logits.size(); ++step)
-    for (std::size_t i = 0; i < naive.logits[step].size(); ++i)
-      worst = std::max(worst, std::abs(naive.logits[step][i] - broken.logits[step][i]));
+    worst = worst_difference(worst, max_abs_difference(naive.logits[step], broken.logits[step]));
   MESSAGE("largest logit difference with the broken cache: " << worst);
   CHECK(worst > 100 * kLogitTolerance);
   const Equivalence e = check_equivalence(naive, broken, static_cast<int>(prompt.size()));

@@ -341,8 +341,7 @@ TEST_CASE("chapter 10: fp16 and bf16 caches keep fp32's greedy tokens on three p
       int first_mismatch = -1;
       float worst = 0.0f;
       for (int step = 0; step < new_tokens && first_mismatch < 0; ++step) {
-        for (std::size_t v = 0; v < fp32.logits[step].size(); ++v)
-          worst = std::max(worst, std::fabs(fp32.logits[step][v] - other.logits[step][v]));
+        worst = worst_difference(worst, max_abs_difference(fp32.logits[step], other.logits[step]));
         if (other.tokens[prompt.size() + step] != fp32.tokens[prompt.size() + step]) first_mismatch = step;
       }
       return std::pair{first_mismatch, worst};
@@ -397,8 +396,7 @@ TEST_CASE("chapter 10 in chapter 08's pool: a coded paged sequence gives Quantiz
       ch10::QuantizedKvCache contiguous(backend, c, 100, format, 16);
       float worst = 0;
       auto compare = [&](std::span<const float> a, std::span<const float> b) {
-        REQUIRE(a.size() == b.size());
-        for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
+        worst = worst_difference(worst, max_abs_difference(a, b));
       };
       auto logits = [&](KvCache& cache, int first, int n) {
         const std::span<const float> got = model.forward(std::span(tokens).subspan(first, n), first, &cache, Logits::kAllPositions);

@@ -10,6 +10,7 @@
 #include <iostream>
 
 #include "cli.h"
+#include "equivalence.h"
 #include "generate.h"
 #include "malloc_counter.h"
 #include "memory_report.h"
@@ -111,8 +112,7 @@ int main(int argc, char** argv) {
       // Chunked prefill must give the logits of one-shot prefill: compare on a fresh cache.
       kvs::ch03::PreallocatedKvCache reference(rt.backend, c, static_cast<int>(rt.prompt.size()));
       const auto one_shot = rt.model.forward(rt.prompt, 0, &reference);
-      float worst = 0;
-      for (int i = 0; i < c.vocab_size; ++i) worst = std::max(worst, std::abs(one_shot[i] - first_logits[i]));
+      const float worst = kvs::max_abs_difference(one_shot, first_logits);
       std::fprintf(stderr, "chunked prefill (C = %d) vs one-shot prefill: largest logit difference %.2e\n",
                    prefill_chunk, worst);
     }
