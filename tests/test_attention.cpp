@@ -142,11 +142,22 @@ TEST_CASE("attention: the backend equals the plain-loop reference on every kind 
     SUBCASE("contiguous from position 5, with a window, with and without sinks") {
       std::vector<int> positions(80);
       for (int r = 0; r < 80; ++r) positions[r] = 5 + r;
-      for (const Window window : {Window{6, 0}, Window{6, 2}, Window{100, 3}}) {
+      // (The sinks, positions 0 .. sinks - 1, are not in this view: the next subcase has them.)
+      for (const Window window : {Window{6, 0}, Window{6, 2}, Window{30, 3}}) {
         CAPTURE(window.size);
         const ViewData d = make_view(positions, kv_dim, stride, gen, false, 5, window);
         CHECK(compare_with_reference(backend, shape, d.view, 15, 70, gen) <= kTolerance);
         CHECK(compare_with_reference(backend, shape, d.view, 84, 1, gen) <= kTolerance);
+      }
+    }
+    SUBCASE("contiguous from position 0, a window with sinks: the sinks stay visible far past the window") {
+      std::vector<int> positions(80);
+      for (int r = 0; r < 80; ++r) positions[r] = r;
+      for (const Window window : {Window{6, 2}, Window{20, 3}}) {
+        CAPTURE(window.size);
+        const ViewData d = make_view(positions, kv_dim, stride, gen, false, 0, window);
+        CHECK(compare_with_reference(backend, shape, d.view, 10, 70, gen) <= kTolerance);
+        CHECK(compare_with_reference(backend, shape, d.view, 79, 1, gen) <= kTolerance);
       }
     }
     SUBCASE("a ring after wrapping: rows out of order, never-written slots holding NaN; keys rotated or not") {

@@ -109,9 +109,9 @@ TEST_CASE("paged attention: equals the reference attention over the same view, N
                           .paged = BlockTable{d_blocks.data(), block_size}};
         const KvView host_view{.keys = keys.data(), .values = values.data(), .rows = rows, .row_stride = kv_dim,
                                .paged = host_table};
-        for (int n : {1, 5}) {  // a decode step at the last position; a prefill chunk ending there
+        for (int n : {1, std::min(5, rows)}) {  // a decode step at the last position; a prefill chunk ending there
           CAPTURE(n);
-          const int pos = rows - n;
+          const int pos = rows - n;  // (5 queries over 4 rows put one at position -1: nothing to see, 0 == 0 checked)
           std::vector<float> q(std::size_t(n) * shape.n_heads * shape.head_dim);
           for (float& x : q) x = normal(gen);
           std::vector<float> expected(q.size());
@@ -341,6 +341,8 @@ TEST_CASE("paged sequences: blocks freed and reused by another request, each que
         backend.attention(d_out.data(), d_q.data(), position.data(), 1, s.view(1), shape, {scratch.data(), scratch.size()}, nullptr);
         return test::from_backend(backend, d_out)[0];
       };
+      // Means of up to 20 values near 1,000-4,000 in float: rounding within 1e-6 relative (~4e-3); a wrong, stale
+      // or another sequence's row moves a mean by at least 1/20, and another sequence's by ~50 or more.
       {
         PagedSequence a(pool), b(pool);
         fill(a, 1, 20), fill(b, 2, 7);  // interleaved growth would mix their blocks; this takes a's first
@@ -587,7 +589,8 @@ TEST_CASE("scheduler: every request's greedy tokens equal the request served alo
     std::vector<Request> requests;
     const int count = short_run ? 5 : 9;
     for (int i = 0; i < count; ++i) {
-      // prompts of 2, 3 and 1 blocks plus 0, 1 and 2 positions: on a boundary, one past, inside
+      // prompts of 2, 3 and 4 blocks plus 0, 1 and 2 positions: on a boundary, one past, inside (with blocks of
+      // one position, a block's end every time)
       const int length = std::max(1, block_size * (2 + i % 3) + i % 3);
       requests.push_back(Request{encode_bytes(text.substr(1000 + 977 * i, length)), 6 + 5 * (i % 4), 3 * i});
     }

@@ -79,7 +79,8 @@ TEST_CASE("growing cache: cached rows survive every reallocation (nanochat PR #1
       ch02::GrowingKvCache cache(backend, kConfig, growth);
       write_positions(backend, cache, 0, 1000);  // a prefill
       CHECK(holds_positions(backend, cache, 1000));
-      for (int pos = 1000; pos < 1100; ++pos) write_positions(backend, cache, pos, 1);  // decode steps across 1024
+      // decode steps: concatenate reallocates at each, geometric doubles at the first, chunked (2,048 rows) at none
+      for (int pos = 1000; pos < 1100; ++pos) write_positions(backend, cache, pos, 1);
       CHECK(holds_positions(backend, cache, 1100));
       const std::int64_t row_bytes = 2 * kConfig.n_layers * kConfig.kv_dim() * sizeof(float);
       if (growth == Growth::kConcatenate) {

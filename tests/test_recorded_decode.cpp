@@ -39,7 +39,11 @@ void for_each_recording_backend(Check&& check) {
     CAPTURE(name);
     check(*backend, name);
   }
+#if defined(KVS_HAVE_CUDA_HARNESS)
+  REQUIRE(any);  // the harness records: a build that has it and recorded nothing checked nothing
+#else
   if (!any) MESSAGE("no backend in this build can record (the CUDA harness is not built): nothing to record");
+#endif
 }
 
 // Replays decode steps through each of `kinds` of cache and compares them with forward()'s, on every backend that
