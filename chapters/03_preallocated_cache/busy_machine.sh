@@ -6,19 +6,29 @@
 #
 #   bash chapters/03_preallocated_cache/busy_machine.sh [--build DIR] [--tokens N] [--runs N] [--busy N] [--csv PATH]
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-build=build/release tokens=1000 runs=3 busy=2 csv=plots/data/busy_machine.csv
+script=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build=$root/build/release tokens=1000 runs=3 busy=2 csv=$root/plots/data/busy_machine.csv
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --build) build=$2; shift 2 ;;
-    --tokens) tokens=$2; shift 2 ;;
-    --runs) runs=$2; shift 2 ;;
-    --busy) busy=$2; shift 2 ;;
-    --csv) csv=$2; shift 2 ;;
-    -h|--help) sed -n 2,7p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n 2,7p "$script" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --build|--tokens|--runs|--busy|--csv)
+      [[ $# -ge 2 && -n $2 ]] || { echo "busy_machine.sh: $1 needs a value; see --help" >&2; exit 2; }
+      # --build and --csv as the caller means them: relative to the folder the script was started from
+      case "$1" in
+        --build) build=$(realpath -m -- "$2") ;;
+        --csv) csv=$(realpath -m -- "$2") ;;
+        --tokens) tokens=$2 ;;
+        --runs) runs=$2 ;;
+        --busy) busy=$2 ;;
+      esac
+      shift 2 ;;
     *) echo "busy_machine.sh: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
+# Checked before minutes of runs: a folder named as the CSV would have received all.csv inside it.
+[[ ! -d $csv ]] || { echo "busy_machine.sh: --csv $csv is a folder; give a file's path" >&2; exit 2; }
+cd "$root"
 for n in "$tokens" "$runs" "$busy"; do
   [[ "$n" =~ ^[0-9]+$ && "$n" -ge 1 && "$n" -le 100000 ]] || { echo "busy_machine.sh: '$n' is not a whole number from 1 to 100000" >&2; exit 2; }
 done
@@ -27,9 +37,8 @@ binary="$build/bin/03_preallocated_cache"
 
 loops=()
 stop_loops() { [[ ${#loops[@]} -gt 0 ]] && kill "${loops[@]}" 2>/dev/null; loops=(); }
-trap stop_loops EXIT
-
 tmp=$(mktemp -d)
+trap 'stop_loops; rm -rf "$tmp"' EXIT
 echo "load,threads,run,total_ms,decode_ms_p50,decode_ms_p99" > "$tmp/all.csv"
 printf '%-28s %7s %4s %10s %10s %10s\n' load threads run "total ms" "p50 ms" "p99 ms" >&2
 for load in idle busy; do
@@ -53,5 +62,4 @@ for load in idle busy; do
 done
 mkdir -p "$(dirname "$csv")"
 cp "$tmp/all.csv" "$csv"
-rm -rf "$tmp"
 echo "wrote $csv" >&2
