@@ -35,6 +35,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK = ROOT / "book"
+# The build whose binaries the book's `build/release/bin/...` commands run: build/release, or the folder CTest's entry
+# names (KVS_BUILD_DIR), so that a build configured elsewhere tests its own binaries, not build/release's.
+BUILD = Path(os.environ.get("KVS_BUILD_DIR") or ROOT / "build" / "release").resolve()
 MARK = "<!-- transcript -->"
 GPU_MARK = "<!-- transcript gpu -->"
 MACHINE_PREFIX = "<sub>Captured by `book/transcripts.py`"
@@ -122,8 +125,10 @@ def shrink(command):
 
 def scratch_folder(check):
     folder = Path(tempfile.mkdtemp(prefix="kvs-book-"))
-    for name in ("build", "data", "tests", "common", "chapters"):
+    for name in ("data", "tests", "common", "chapters"):
         (folder / name).symlink_to(ROOT / name)
+    (folder / "build").mkdir()
+    (folder / "build" / "release").symlink_to(BUILD)
     if check:
         (folder / "plots" / "data" / "gpu").mkdir(parents=True)  # book 07's GPU blocks write there
     else:
@@ -231,7 +236,7 @@ def main():
     cwd = scratch_folder(args.check)
     try:
         gpu = gpu_name()
-        if gpu and not (ROOT / "build" / "release" / "bin" / "libkvs_cuda.so").exists():
+        if gpu and not (BUILD / "bin" / "libkvs_cuda.so").exists():
             print(f"a GPU is here ({gpu}) but this build has no CUDA backend (nvcc was not found at configure): "
                   "the GPU transcripts stay as captured", file=sys.stderr)
             gpu = None

@@ -2,8 +2,8 @@
 # Quick start, command 1: install what is missing, build in Release, and run every chapter built so far
 # with short defaults on the shipped model (and chapter 04's recall on the copying model, where it ships).
 # Text goes to stdout, measurements to stderr.
-# --skip-build: run the chapters on the binaries already in build/release (a test runs the tour this way, so that
-# the README's first command keeps working).
+# --skip-build: run the chapters on the binaries already in build/release, or in KVS_BIN_DIR where set (a test runs
+# the tour this way, on its own build's binaries, so that the README's first command keeps working).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,6 +15,7 @@ case "$#:${1:-}" in
   *) echo "usage: bash chapters/tour.sh [--skip-build]" >&2; exit 2 ;;
 esac
 bin=build/release/bin
+[[ $# -eq 1 && -n ${KVS_BIN_DIR:-} ]] && bin=$KVS_BIN_DIR  # CTest's entry: its build's binaries
 
 banner() { printf '\n\033[1m=== %s ===\033[0m\n' "$*" >&2; }
 
