@@ -108,7 +108,7 @@ def report(launches):
     for (name, grid, _), (times, reads, registers, occupancy) in sorted(groups.items(), key=lambda kv: -sum(kv[1][0])):
         us, read = sum(times) / len(times), sum(reads) / len(reads)
         lines.append(f"| `{name}` | {grid} | {len(times)} | {us:.1f} | {read / 1e6:.2f} | "
-                     f"{read / us / 1e3 if us > 0 else 0:.0f} | {100 * sum(times) / total_us:.1f}% | "
+                     f"{read / us / 1e3 if us > 0 else 0:.0f} | {100 * sum(times) / total_us if total_us > 0 else 0:.1f}% | "
                      f"{mean(registers, '{:.0f}')} | {mean(occupancy, '{:.0f}%')} |")
     steps = sum(1 for launch in launches if launch[0].startswith("embed_kernel"))
     total_read = sum(launch[3] for launch in launches)
@@ -116,7 +116,7 @@ def report(launches):
     if steps:
         lines.append(f"Per decode step ({steps} profiled, {len(launches) / steps:.1f} launches each): kernels "
                      f"{total_us / steps / 1e3:.3f} ms summed, {total_read / steps / 1e6:.1f} MB read from DRAM, "
-                     f"{total_read / total_us / 1e3:.0f} GB/s over the kernels' own time.")
+                     f"{total_read / total_us / 1e3 if total_us > 0 else 0:.0f} GB/s over the kernels' own time.")
     else:
         lines.append(f"{len(launches)} launches, no embed_kernel among them (not whole steps): kernels "
                      f"{total_us / 1e3:.3f} ms summed, {total_read / 1e6:.1f} MB read from DRAM.")

@@ -2,7 +2,7 @@
 # The GPU session's tools, checked where there is no GPU (a lent GPU's minutes are too few to find a typo in them):
 # tests/gpu_session.sh parses, refuses an unknown step and exits 1 when its runs fail; tests/gpu_ab_table.py makes the A/B table, the chunks
 # step's rows included, from breakdown CSVs named as gpu_session.sh names them (a stored GPU run's CSV stands in);
-# tests/gpu_stall_table.py makes the stall table.
+# tests/gpu_stall_table.py makes the stall table, tests/gpu_kernel_profile.py the kernel profile's.
 # Usage: bash tests/gpu_tools_check.sh PYTHON3 (from anywhere).
 set -euo pipefail
 python=${1:?usage: gpu_tools_check.sh PYTHON3}
@@ -49,4 +49,19 @@ CSV
 cat "$work/stalls.md"
 grep -qF '| `attention_decode_kernel<4, 1, true>` | (4, 64, 1) | 47.3 | 12% | 5.00 in all: long_scoreboard 3.50 (70%), short_scoreboard 1.25 (25%), barrier 0.25 (5%) |' \
   "$work/stalls.md" || { echo "the stall table lost the CSV's numbers or their order"; exit 1; }
+# The kernel profile's table (gpu_kernel_profile.py), from a CSV laid out as ncu wrote it (a units row, full names):
+# one decode step of three launches, the two products' numbers made up to give round figures.
+cat >"$work/profile.csv" <<'CSV'
+==PROF== Connected to process 1234
+"ID","Kernel Name","Grid Size","gpu__time_duration.sum","dram__bytes_read.sum","launch__registers_per_thread","sm__warps_active.avg.pct_of_peak_sustained_active"
+"","","","ns","byte","register/thread","%"
+"0","void kvs::<unnamed>::embed_kernel(float *, const float *, const int *, int)","(1, 1, 1)","1,000","512","16","3.0"
+"1","void kvs::<unnamed>::gemv_kernel<1, 4, (kvs::<unnamed>::GemvStore)0>(kvs::<unnamed>::GemvArgs)","(768, 1, 1)","10,000","16,800,000","40","50.0"
+"2","void kvs::<unnamed>::gemv_kernel<1, 4, (kvs::<unnamed>::GemvStore)0>(kvs::<unnamed>::GemvArgs)","(768, 1, 1)","10,000","16,800,000","40","60.0"
+CSV
+"$python" "$root/tests/gpu_kernel_profile.py" "$work/profile.csv" >"$work/profile.md"
+cat "$work/profile.md"
+grep -qF '| `gemv_kernel<1, 4, (GemvStore)0>` | (768, 1, 1) | 2 | 10.0 | 16.80 | 1680 | 95.2% | 40 | 55% |' "$work/profile.md" &&
+  grep -qF '| `embed_kernel` | (1, 1, 1) | 1 | 1.0 | 0.00 | 1 | 4.8% | 16 | 3% |' "$work/profile.md" &&
+  grep -qF 'Per decode step (1 profiled, 3.0 launches each): kernels 0.021 ms summed, 33.6 MB read from DRAM, 1600 GB/s'     "$work/profile.md" || { echo "the kernel profile's table lost the CSV's numbers"; exit 1; }
 echo "gpu session tools: ok"
