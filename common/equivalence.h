@@ -48,8 +48,9 @@ Equivalence check_equivalence(const RecordedRun& reference, const RecordedRun& r
 // NaN (either side NaN, or both infinite alike), so that no tolerance passes it. (std::max(worst, NaN) keeps worst:
 // a loop of it passed NaN logits as equal.)
 float max_abs_difference(std::span<const float> a, std::span<const float> b);
-// The larger of two such differences, NaN where either is: for a worst over several comparisons.
+// The larger of two such differences (or divergences), NaN where either is: for a worst over several comparisons.
 inline float worst_difference(float a, float b) { return std::isnan(a) ? a : std::isnan(b) ? b : std::max(a, b); }
+inline double worst_difference(double a, double b) { return std::isnan(a) ? a : std::isnan(b) ? b : std::max(a, b); }
 
 // The difference between two next-token distributions given as logits (vocab each).
 struct LogitDivergence {

@@ -158,9 +158,10 @@ TEST_CASE("equivalence: a NaN logit is a mismatch, also where the greedy tokens 
   CHECK(std::isnan(max_abs_difference(std::vector<float>{1, 2, 3}, std::vector<float>{1, nan, 3})));
   CHECK(std::isnan(max_abs_difference(std::vector<float>{nan, 2, 3}, std::vector<float>{1, 2, 9})));  // not 6
   CHECK_THROWS_AS(max_abs_difference(std::vector<float>{1}, std::vector<float>{1, 2}), std::invalid_argument);
-  CHECK(worst_difference(1, 2) == 2);
-  CHECK(std::isnan(worst_difference(nan, 2)));
-  CHECK(std::isnan(worst_difference(2, nan)));  // std::max(2, nan) is 2
+  CHECK(worst_difference(1.0f, 2.0f) == 2.0f);
+  CHECK(std::isnan(worst_difference(nan, 2.0f)));
+  CHECK(std::isnan(worst_difference(2.0f, nan)));  // std::max(2, nan) is 2
+  CHECK(std::isnan(worst_difference(2.0, double(nan))));
   // Token 1 wins both steps in both runs (argmax skips NaN); step 1 of the run has a NaN where the reference has 0.
   const Run reference{{7, 1, 1}, {{0, 5, 1}, {0, 5, 1}}}, run{{7, 1, 1}, {{0, 5, 1}, {nan, 5, 1}}};
   const Equivalence e = check_equivalence(reference, run, 1);

@@ -168,8 +168,8 @@ void report_run(Model& model, std::span<const int> prompt, int new_tokens, const
     int changed = 0, rows = 0;
     float dk = 0, dv = 0;
     for (int p = written_after; p < static_cast<int>(diff.keys[layer].size()); ++p, ++rows) {
-      changed += diff.keys[layer][p] > 0 || diff.values[layer][p] > 0;
-      dk = std::max(dk, diff.keys[layer][p]), dv = std::max(dv, diff.values[layer][p]);
+      changed += !(diff.keys[layer][p] == 0 && diff.values[layer][p] == 0);  // NaN too
+      dk = worst_difference(dk, diff.keys[layer][p]), dv = worst_difference(dv, diff.values[layer][p]);
     }
     std::fprintf(stderr, "  %5d %18d of %6d %14.3e %14.3e\n", layer, changed, rows, dk, dv);
     for (int p = 0; p < static_cast<int>(diff.keys[layer].size()); ++p)

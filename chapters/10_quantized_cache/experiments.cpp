@@ -100,7 +100,7 @@ void compare(const Lab& lab, int new_tokens, CsvWriter& csv) {
           const std::span<const float> ref(reference_logits.data() + std::size_t(step) * vocab, vocab);
           const double kl = logit_divergence(ref, logits).kl;
           const bool same_top = argmax(logits) == reference_tokens[step];
-          kl_sum += kl, kl_max = std::max(kl_max, kl);
+          kl_sum += kl, kl_max = worst_difference(kl_max, kl);  // NaN stays, as in the sum
           if (!same_top && first_top_differs < 0) first_top_differs = step;
           top_differs += !same_top;
           csv.row(format_name(lab, format), step, kl, same_top ? 1 : 0);
