@@ -198,13 +198,13 @@ def process(path, cwd, check, gpu, gpu_only, only=None):
                 # doctest's listing exits 0 whatever it lists; the real run would fail on a filter that matches nothing
                 failures += 1
                 print("  FAILED: its --test-case filter matches no test case", file=sys.stderr)
-        if not printed:  # a filter (sed, grep) that matched nothing would leave an empty transcript and exit 0
-            failures += 1
-            print("  FAILED: the block's commands printed nothing", file=sys.stderr)
             body.append("$ " + command)
             for line in output.rstrip("\n").split("\n") if output else []:
                 # output that would read as a command or close the block on the next run is indented
                 body.append(" " + line if line.startswith(("$ ", "```")) else line)
+        if not printed:  # a filter (sed, grep) that matched nothing would leave an empty transcript and exit 0
+            failures += 1
+            print("  FAILED: the block's commands printed nothing", file=sys.stderr)
         out.extend(body)
         out.append(lines[end])  # the closing fence
         cursor = end + 1
