@@ -708,7 +708,9 @@ void CpuBackend::attention_batch(float* out, const float* q, const int* position
   for (std::size_t i = 0; fast && i < parts.size(); ++i) {  // what attention() would refuse takes the definition
     const AttentionPart& p = parts[i];
     int begin = 0, end = 0;
-    fast = one_query_run(p.kv, p.n, positions[p.offset], head_dim, begin, end) && std::size_t(p.kv.rows) <= slot_floats &&
+    // (n first: a part of no queries has no positions[p.offset] to read)
+    fast = p.n == 1 && one_query_run(p.kv, p.n, positions[p.offset], head_dim, begin, end) &&
+           std::size_t(p.kv.rows) <= slot_floats &&
            !(p.kv.coded() && head_dim > kMaxCodedHeadDim);
     multiply_adds += 2 * std::int64_t(end - begin) * shape.n_heads * head_dim;
   }

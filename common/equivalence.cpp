@@ -82,7 +82,7 @@ LogitDivergence logit_divergence(std::span<const float> reference, std::span<con
   LogitDivergence d;
   for (std::size_t i = 0; i < p.size(); ++i) d.kl += std::exp(p[i]) * (p[i] - q[i]);
   d.max_abs_logit = max_abs_difference(reference, other);
-  d.kl = std::max(0.0, d.kl);  // rounding can leave -1e-17 for identical distributions
+  if (d.kl < 0) d.kl = 0;  // rounding can leave -1e-17 for identical distributions (std::max(0.0, NaN) is 0: kept NaN)
   return d;
 }
 

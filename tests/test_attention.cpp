@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpu_backend.h"
+#include "equivalence.h"
 #include "kv_cache.h"
 #include "reference_attention.h"
 #include "ring.h"
@@ -64,15 +65,8 @@ float compare_with_reference(CpuBackend& backend, const AttentionShape& shape, c
   const IntBuffer positions = consecutive_positions(backend, pos, n);
   backend.attention(out.data(), q.data(), positions.data(), n, view, shape, scratch, weights.data());
   reference_attention(expected.data(), q.data(), pos, n, view, shape, expected_weights.data());
-  float worst = 0;
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    if (!std::isfinite(out[i])) return INFINITY;
-    worst = std::max(worst, std::abs(out[i] - expected[i]));
-  }
-  for (std::size_t i = 0; i < weights.size(); ++i) {
-    if (!std::isfinite(weights[i])) return INFINITY;
-    worst = std::max(worst, std::abs(weights[i] - expected_weights[i]));
-  }
+  // NaN on either side (a weight left unwritten, a reference gone wrong) fails every tolerance.
+  const float worst = worst_difference(max_abs_difference(out, expected), max_abs_difference(weights, expected_weights));
   // Without weights requested, the output is the same.
   std::vector<float> plain(out.size());
   backend.attention(plain.data(), q.data(), positions.data(), n, view, shape, scratch, nullptr);

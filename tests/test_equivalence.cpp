@@ -170,6 +170,7 @@ TEST_CASE("equivalence: a NaN logit is a mismatch, also where the greedy tokens 
   CHECK(std::isnan(e.worst_logit_difference));
   CHECK_FALSE(e.passed());
   CHECK(std::isnan(logit_divergence(reference.logits[1], run.logits[1]).max_abs_logit));
+  CHECK(std::isnan(logit_divergence(reference.logits[1], run.logits[1]).kl));  // not 0, "the same distribution"
 }
 
 TEST_CASE("equivalence: the comparison catches a cache that hides its newest key") {
