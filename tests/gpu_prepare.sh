@@ -24,7 +24,7 @@ cp -r /usr/lib/cmake/doctest .deps/lib/cmake/
 sed -i 's|set(_IMPORT_PREFIX "/usr")|get_filename_component(_IMPORT_PREFIX "${CMAKE_CURRENT_LIST_DIR}/../../.." ABSOLUTE)|' \
   .deps/lib/cmake/doctest/doctestTargets.cmake
 # Another doctest's file worded otherwise would keep /usr, found missing only on the GPU machine, in device minutes.
-grep -q 'CMAKE_CURRENT_LIST_DIR' .deps/lib/cmake/doctest/doctestTargets.cmake ||
+! grep -qF 'set(_IMPORT_PREFIX "/usr")' .deps/lib/cmake/doctest/doctestTargets.cmake ||
   { echo "gpu_prepare.sh: doctestTargets.cmake still names /usr: adapt the sed above to this doctest version" >&2; exit 1; }
 git archive "$base" CMakeLists.txt CMakePresets.json common chapters tests | tar -x -C .ab/base
 echo "made .deps ($(du -sh .deps | cut -f1)) and .ab/base ($(git rev-parse --short "$base"), $(du -sh .ab/base | cut -f1))."

@@ -73,6 +73,7 @@ step_build() {
     step_done build; exit 1
   fi
   if [[ $base_status != 0 ]]; then  # the A/B then runs this build alone, and says so
+    check "$base_status" "the base build"
     echo "the base build failed: no A/B this call"; tail -10 "$out/build_base.log" 2>/dev/null || tail -10 "$out/configure_base.log"
     rm -f build/base/bin/03_benchmark
   fi
@@ -108,7 +109,8 @@ step_ab() {
   build/release/bin/03_benchmark --backend cpu --threads 1 $shipped --csv "$out/shipped_cpu1.csv" >"$out/shipped_cpu1.log" 2>&1
   check $? "ab: one CPU core"
   echo "== one CPU core"; grep -A4 "  context     step" "$out/shipped_cpu1.log" | tail -4
-  python3 tests/gpu_ab_table.py "$out" >"$out/ab_table.md" 2>&1; echo "== the A/B as book 07's tables (ab_table.md)"
+  python3 tests/gpu_ab_table.py "$out" >"$out/ab_table.md" 2>&1; check $? "the A/B table"
+  echo "== the A/B as book 07's tables (ab_table.md)"
   cat "$out/ab_table.md"
   step_done ab
 }
@@ -133,7 +135,8 @@ step_chunks() {
       tail -1 "$out/synthetic_${name}_$round.log" | grep error; grep -A4 "  context     step" "$out/synthetic_${name}_$round.log" | tail -4
     done
   done
-  python3 tests/gpu_ab_table.py "$out" >"$out/ab_table.md" 2>&1; echo "== ab_table.md, the chunks' rows with the A/B's"
+  python3 tests/gpu_ab_table.py "$out" >"$out/ab_table.md" 2>&1; check $? "the A/B table, with the chunks"
+  echo "== ab_table.md, the chunks' rows with the A/B's"
   cat "$out/ab_table.md"
   step_done chunks
 }
@@ -172,7 +175,8 @@ stall_profile() {
     --memory-limit 70GiB --breakdown --lengths 4096 --max-new-tokens 8 >"$out/profile_$1_run.log" 2>&1
   local status=$?; check $status "ncu, stalls of $1"
   echo "ncu, what the warps of $1 wait on: exit $status"
-  python3 tests/gpu_stall_table.py "$out/profile_$1.csv" >"$out/stalls_$1.md" 2>&1; cat "$out/stalls_$1.md"
+  python3 tests/gpu_stall_table.py "$out/profile_$1.csv" >"$out/stalls_$1.md" 2>&1; check $? "the stall table of $1"
+  cat "$out/stalls_$1.md"
 }
 step_profile() {
   # The synthetic model's decode kernels one by one under Nsight Compute: each kernel's own time and the bytes it
@@ -191,7 +195,8 @@ step_profile() {
       --lengths 4096 --max-new-tokens 8 >"$out/profile_run.log" 2>&1
     status=$?; check $status "ncu, kernel profile"
     echo "ncu: exit $status"
-    python3 tests/gpu_kernel_profile.py "$out/profile_ncu.csv" >"$out/profile.md" 2>&1; cat "$out/profile.md"
+    python3 tests/gpu_kernel_profile.py "$out/profile_ncu.csv" >"$out/profile.md" 2>&1; check $? "the kernel profile's table"
+    cat "$out/profile.md"
     # The decoding kernel once more, one launch past the first decode steps, with what its warps wait on: its time
     # hardly depends on the rows it reads (book 07, version 6), so the stall reasons say what a round of rows waits
     # for (memory, shuffles, the exponentials).

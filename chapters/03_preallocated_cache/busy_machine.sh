@@ -9,6 +9,7 @@ set -euo pipefail
 script=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=$root/build/release tokens=1000 runs=3 busy=2 csv=$root/plots/data/busy_machine.csv
+shown=plots/data/busy_machine.csv  # the CSV's path in messages: as the caller gave it
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -h|--help) sed -n 2,7p "$script" | sed 's/^# \{0,1\}//'; exit 0 ;;
@@ -17,7 +18,7 @@ while [[ $# -gt 0 ]]; do
       # --build and --csv as the caller means them: relative to the folder the script was started from
       case "$1" in
         --build) build=$(realpath -m -- "$2") ;;
-        --csv) csv=$(realpath -m -- "$2") ;;
+        --csv) csv=$(realpath -m -- "$2") shown=$2 ;;
         --tokens) tokens=$2 ;;
         --runs) runs=$2 ;;
         --busy) busy=$2 ;;
@@ -27,7 +28,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 # Checked before minutes of runs: a folder named as the CSV would have received all.csv inside it.
-[[ ! -d $csv ]] || { echo "busy_machine.sh: --csv $csv is a folder; give a file's path" >&2; exit 2; }
+[[ ! -d $csv ]] || { echo "busy_machine.sh: --csv $shown is a folder; give a file's path" >&2; exit 2; }
 cd "$root"
 for n in "$tokens" "$runs" "$busy"; do
   [[ "$n" =~ ^[0-9]+$ && "$n" -ge 1 && "$n" -le 100000 ]] || { echo "busy_machine.sh: '$n' is not a whole number from 1 to 100000" >&2; exit 2; }
@@ -62,4 +63,4 @@ for load in idle busy; do
 done
 mkdir -p "$(dirname "$csv")"
 cp "$tmp/all.csv" "$csv"
-echo "wrote $csv" >&2
+echo "wrote $shown" >&2
