@@ -3,6 +3,8 @@
 #include <chrono>
 #include <utility>
 
+#include "interrupts.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define KVS_CPU_RELAX() _mm_pause()
@@ -26,6 +28,8 @@ constexpr auto kSpinBeforeSleep = std::chrono::microseconds(200);
 }  // namespace
 
 WorkerPool::WorkerPool(int threads) {
+  // Started with interrupts held, which they keep (interrupts.h): a Ctrl-C goes to the thread that runs the program.
+  const InterruptsHeld held;
   for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { work(); });
 }
 

@@ -6,8 +6,10 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -17,7 +19,9 @@
 
 #include "checkpoint.h"
 #include "cli.h"
+#include "cpu_backend.h"
 #include "csv.h"
+#include "replacing_file.h"
 #include "test_backends.h"
 #include "test_util.h"
 
@@ -250,6 +254,41 @@ TEST_CASE("results: an interrupted run keeps the earlier file (chapters) or the 
   CHECK(rows[0].rfind("method,", 0) == 0);
   CHECK(rows.size() < 1 + 12 * 4);  // really interrupted
   for (const std::string& row : rows) CHECK(std::count(row.begin(), row.end(), ',') == 6);
+}
+
+TEST_CASE("results: Ctrl-C while a result file is replaced ends the run after it, leaving no temporary") {
+  // In a child process: "new" written over "old" with an interrupt arriving mid-write - sent to the thread itself
+  // (raise), and to the process while the CPU backend's worker thread runs (kill): the kernel hands a process's
+  // signal to any thread that does not hold it back, so the workers must hold it too.
+  for (const bool to_process : {false, true}) {
+    CAPTURE(to_process);
+    TempDir dir;
+    const std::string target = dir.file("out.csv");
+    std::ofstream(target) << "old";
+    const pid_t child = fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      std::signal(SIGINT, SIG_DFL);  // doctest's handler would report a crash
+      kvs::CpuBackend backend(2);    // one worker thread
+      {
+        kvs::ReplacingFile file(target, "--csv out.csv");
+        file.write("new", 3);
+        if (to_process) kill(getpid(), SIGINT);
+        else raise(SIGINT);
+        usleep(50 * 1000);  // time for a worker to take it, were it not held back
+        file.commit();
+      }  // the interrupt acts here
+      _exit(0);
+    }
+    int status = 0;
+    REQUIRE(waitpid(child, &status, 0) == child);
+    CHECK(WIFSIGNALED(status));  // not lost: the run still ends
+    CHECK((WIFSIGNALED(status) && WTERMSIG(status) == SIGINT));
+    CHECK(lines_of(target) == std::vector<std::string>{"new"});  // replaced whole
+    int others = 0;
+    for (const auto& entry : std::filesystem::directory_iterator(dir.file(""))) others += entry.path() != target;
+    CHECK(others == 0);  // no .out.csv.XXXXXX
+  }
 }
 
 TEST_CASE("results: a CSV path that is a symbolic link writes the file it leads to, and the link stays") {
