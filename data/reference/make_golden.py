@@ -5,8 +5,9 @@
 Each shape gets a random-weight checkpoint and the reference logits for a fixed token sequence. Weights
 are drawn large enough that activations and logits are O(1) to O(10) (init std 0.02 would give logits
 near zero, where an absolute tolerance proves little). The sequences are 80 tokens long so that they cross
-the CPU backend's 64-query attention block, and hidden sizes are not multiples of 8 or 16 so that they
-cross the SIMD tails of every matrix product.
+the CPU backend's 64-query attention block. The hidden sizes (172, 200, 344) and mqa's vocabulary (203) are not
+multiples of 16, so the products with those outputs end in a partial AVX-512 register (172 and 203 also in a
+partial 8-float AVX one); dim and kv_dim are multiples of 16, so the other products never do.
 
 .logits format: int32 n_tokens, int32 vocab_size, int32 tokens[n_tokens], float32 logits[n_tokens][vocab_size]
 """
