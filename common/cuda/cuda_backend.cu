@@ -1194,34 +1194,28 @@ class CudaBackend final : public Backend {
     KVS_CUDA_CHECK(cudaGraphLaunch(graph_, stream_));
   }
 
-  // Every operation on no tokens (n or count 0) returns at once, as the CPU's do: a grid of no blocks is an invalid
-  // launch. The model never asks for one; a batch may hold an empty part.
+  // An operation on no tokens (n or count 0) launches a grid of no blocks, which KVS_LAUNCH skips (cuda_support.h).
   void embed(float* x, const float* table, const int* tokens, int n, int dim) override {
-    if (n == 0) return;
     KVS_LAUNCH(embed_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_, x, table, tokens, dim);
   }
   void matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) override {
     blas_.matmul_rows(out, x, w, n, d_in, d_out);
   }
   void rmsnorm(float* out, const float* x, const float* weight, int n, int dim) override {
-    if (n == 0) return;
     KVS_LAUNCH(rmsnorm_kernel, dim3(n), dim3(kThreads), 0, queue_, out, x, weight, dim);
   }
   void rope_table(float* table, const int* positions, int n, int head_dim) override {
-    if (n == 0) return;
     // A thread per (position, pair), not blocks_for's capped grid: the kernel has no stride loop, and a prefill of
     // 16,385 positions with heads of 128 (over 4,096 blocks) left the table's later rows unwritten.
     KVS_LAUNCH(rope_table_kernel, dim3(blocks_for_each(std::size_t(n) * (head_dim / 2))), dim3(kThreads), 0, queue_,
                table, positions, n, head_dim);
   }
   void rope(float* x, const float* table, int n, int heads, int head_dim) override {
-    if (n == 0) return;
     KVS_LAUNCH(rope_kernel, dim3(blocks_for_each(std::size_t(n) * heads * head_dim / 2)), dim3(kThreads), 0, queue_, x,
                table, n, heads, head_dim);
   }
   void attention(float* out, const float* q, const int* positions, int n, const KvView& kv,
                  const AttentionShape& shape, std::span<float> scratch, float* weights) override {
-    if (n == 0) return;
     if (shape.head_dim > kMaxHeadDim)
       throw std::invalid_argument("attention: head_dim " + std::to_string(shape.head_dim) +
                                   " is larger than the CUDA kernel's " + std::to_string(kMaxHeadDim));
@@ -1354,25 +1348,22 @@ class CudaBackend final : public Backend {
 
   void write_rows(float* rows, int row_stride, const int* positions, Ring ring, const float* src, int n,
                   int width) override {
-    if (n > 0)
-      KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_,
-                 RowSides{{rows, nullptr}, {src, nullptr}}, row_stride, positions, ring, width);
+    KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_,
+               RowSides{{rows, nullptr}, {src, nullptr}}, row_stride, positions, ring, width);
   }
   // One launch for any number of rows (a (positions, 2) grid; a prefill's too).
   void write_key_value_rows(float* keys, float* values, int row_stride, const int* positions, Ring ring, const float* k,
                             const float* v, int n, int width) override {
-    if (n > 0)
-      KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n), 2), dim3(kThreads), 0, queue_,
-                 RowSides{{keys, values}, {k, v}}, row_stride, positions, ring, width);
+    KVS_LAUNCH(write_rows_kernel<Ring>, dim3(static_cast<unsigned>(n), 2), dim3(kThreads), 0, queue_,
+               RowSides{{keys, values}, {k, v}}, row_stride, positions, ring, width);
   }
   void write_positions(int* slot_positions, const int* positions, Ring ring, int n) override {
     KVS_LAUNCH(write_positions_kernel, dim3(1), dim3(kThreads), 0, queue_, slot_positions, positions, ring, n);
   }
   void write_paged_rows(float* rows, int row_stride, const int* positions, BlockTable table, const float* src, int n,
                         int width) override {
-    if (n > 0)
-      KVS_LAUNCH(write_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_,
-                 RowSides{{rows, nullptr}, {src, nullptr}}, row_stride, positions, table, width);
+    KVS_LAUNCH(write_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_,
+               RowSides{{rows, nullptr}, {src, nullptr}}, row_stride, positions, table, width);
   }
   // Up to kMaxBatchSequences sequences a launch (a decode step of 64 sequences: one launch a layer, not 128).
   void write_paged_batch(const CodedRows& keys, const CodedRows& values, const int* positions,
@@ -1389,33 +1380,27 @@ class CudaBackend final : public Backend {
         launch.part[j] = PagedPart{p.offset - base, p.n, p.table};
       }
       const int end = launch.part[count - 1].offset + launch.part[count - 1].n;  // the rows of the launch
-      if (end > 0)
-        KVS_LAUNCH(write_paged_batch_kernel, dim3(static_cast<unsigned>(end), 2), dim3(kThreads), 0, queue_, keys, values,
-                   positions + base, launch, count, k + std::size_t(base) * keys.width, v + std::size_t(base) * values.width);
+      KVS_LAUNCH(write_paged_batch_kernel, dim3(static_cast<unsigned>(end), 2), dim3(kThreads), 0, queue_, keys, values,
+                 positions + base, launch, count, k + std::size_t(base) * keys.width, v + std::size_t(base) * values.width);
     }
   }
   void write_coded_rows(const CodedRows& rows, const int* positions, Ring ring, const float* src, int n) override {
-    if (n > 0)
-      KVS_LAUNCH(write_coded_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_, rows,
-                 positions, ring, src);
+    KVS_LAUNCH(write_coded_rows_kernel<Ring>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_, rows,
+               positions, ring, src);
   }
   void write_paged_coded_rows(const CodedRows& rows, const int* positions, BlockTable table, const float* src,
                               int n) override {
-    if (n > 0)
-      KVS_LAUNCH(write_coded_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_, rows,
-                 positions, table, src);
+    KVS_LAUNCH(write_coded_rows_kernel<BlockTable>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, queue_, rows,
+               positions, table, src);
   }
   void encode_channel_groups(const CodedRows& rows, int first_group, int groups, const float* src) override {
-    if (groups > 0)
-      KVS_LAUNCH(encode_channel_groups_kernel, dim3(static_cast<unsigned>(groups)), dim3(kThreads), 0, queue_, rows,
-                 first_group, src);
+    KVS_LAUNCH(encode_channel_groups_kernel, dim3(static_cast<unsigned>(groups)), dim3(kThreads), 0, queue_, rows,
+               first_group, src);
   }
   void swiglu(float* gate, const float* up, std::size_t count) override {
-    if (count == 0) return;
     KVS_LAUNCH(swiglu_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, queue_, gate, up, count);
   }
   void add(float* x, const float* y, std::size_t count) override {
-    if (count == 0) return;
     KVS_LAUNCH(add_kernel, dim3(blocks_for(count)), dim3(kThreads), 0, queue_, x, y, count);
   }
 
@@ -1428,7 +1413,6 @@ class CudaBackend final : public Backend {
   // 16-byte loads where every row the kernel reads starts on 16 bytes; one float at a time otherwise.
   template <GemvStore kStore>
   void launch_gemv(const GemvArgs& a) {
-    if (a.n == 0) return;
     bool aligned = a.d_in % 4 == 0 && aligned16(a.x) && aligned16(a.norm_weight) && aligned16(a.up);
     for (int p = 0; p < a.count; ++p) aligned = aligned && aligned16(a.products[p].w);
     if (aligned) launch_gemv_tokens<4, kStore>(a);

@@ -39,6 +39,8 @@ inline bool programmatic(cudaStream_t) { return false; }
     if (kvs_error_ != cudaSuccess) ::kvs::cuda::fail(#call, cudaGetErrorString(kvs_error_), __FILE__, __LINE__); \
   } while (0)
 
+// A grid of no blocks launches nothing (CUDA itself refuses it): an operation on no tokens does nothing, as the CPU
+// backend's does, without a check of its own in each.
 #if defined(KVS_CUDA_HARNESS)
 // Every thread of every block runs `kernel(args...)` on the CPU (see harness/cuda_runtime_harness.h), in order,
 // except that a launch on a programmatic queue runs its first block up to its wait before the kernel ahead of
@@ -59,6 +61,7 @@ namespace kvs::cuda {
 template <typename... Params, typename... Args>
 cudaError_t launch(LaunchQueue queue, dim3 grid, dim3 block, std::size_t shared_bytes, void (*kernel)(Params...),
                    Args... args) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return cudaSuccess;  // see KVS_LAUNCH
   cudaLaunchAttribute programmatic{};
   programmatic.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   programmatic.val.programmaticStreamSerializationAllowed = 1;

@@ -104,10 +104,11 @@ void launch(const char* kernel, const void* kernel_address, dim3 grid, dim3 bloc
 // for up to `bytes` of dynamic shared memory; without it, up to 48 KB (as on a GPU, which refuses the launch).
 void set_max_dynamic_shared(const void* kernel_address, std::size_t bytes);
 // KVS_LAUNCH: the arguments are copied, as a CUDA launch copies them, so a recorded launch (stream capture)
-// does not refer to the caller's variables.
+// does not refer to the caller's variables. A grid of no blocks launches nothing, as kvs::cuda::launch does.
 template <typename Kernel, typename... Args>
 void launch_kernel(const char* name, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes, bool programmatic,
                    Kernel* kernel, Args... args) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   launch(name, reinterpret_cast<const void*>(kernel), grid, block, dynamic_shared_bytes, programmatic,
          [=] { kernel(args...); });
 }

@@ -198,7 +198,7 @@ class Scheduler {
       fail(kernel, "a grid of (" + std::to_string(grid.x) + "," + std::to_string(grid.y) + "," + std::to_string(grid.z) +
                        ") blocks (at most " + std::to_string(kMaxGridX) + " in x, " + std::to_string(kMaxGridYZ) +
                        " in y and z)");
-    if (long(grid.x) * grid.y * grid.z < 1) fail(kernel, "an empty grid");
+    if (long(grid.x) * grid.y * grid.z < 1) fail(kernel, "an empty grid");  // as CUDA (KVS_LAUNCH never asks)
     if (dynamic_shared > kMaxDynamicShared)
       fail(kernel, std::to_string(dynamic_shared) + " bytes of dynamic shared memory (at most " +
                        std::to_string(kMaxDynamicShared) + ")");
