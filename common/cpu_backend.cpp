@@ -214,13 +214,14 @@ OneQueryKernel one_query_kernel(int head_dim) {
   }
 }
 
-// Whether attention's decode fast path takes `n` queries at `pos` over `kv`: one query, keys rotated already
-// (no read-time rotation), its visible rows one run [begin, end), a head of whole packets. Returns the kernel
-// (null: the general path). attention() and attention_batch() ask the same question here.
-OneQueryKernel one_query_run(const KvView& kv, int n, int pos, int head_dim, int& begin, int& end) {
+// Whether attention's decode fast path takes the `n` queries at positions[0 ..] over `kv`: one query, keys rotated
+// already (no read-time rotation), its visible rows one run [begin, end), a head of whole packets. Returns the kernel
+// (null: the general path). attention() and attention_batch() ask the same question here. The position is read only
+// for one query (a part of no queries has none).
+OneQueryKernel one_query_run(const KvView& kv, int n, const int* positions, int head_dim, int& begin, int& end) {
   if (n != 1 || kv.read_rope) return nullptr;
   const OneQueryKernel kernel = one_query_kernel(head_dim);
-  return kernel && kv.visible_rows(pos, begin, end) ? kernel : nullptr;
+  return kernel && kv.visible_rows(positions[0], begin, end) ? kernel : nullptr;
 }
 
 // ---- products for a few tokens (decode steps, batches, short prompts) ----
@@ -526,7 +527,7 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
   // the rows (attend_one_query). Heads of one KV head stay together on one thread; each head's
   // arithmetic is the same however the heads are split, so 1 and 2 threads give the same bits.
   int run_begin = 0, run_end = 0;
-  if (const OneQueryKernel one_query = one_query_run(kv, n, pos, head_dim, run_begin, run_end)) {
+  if (const OneQueryKernel one_query = one_query_run(kv, n, positions, head_dim, run_begin, run_end)) {
     const int run_rows = run_end - run_begin;  // visible_rows keeps begin <= end
     auto kv_heads = [&](int first_kv_head, int kv_head_count) {
       const int c1 = first_kv_head + kv_head_count, h0 = first_kv_head * group, h1 = c1 * group;
@@ -708,9 +709,7 @@ void CpuBackend::attention_batch(float* out, const float* q, const int* position
   for (std::size_t i = 0; fast && i < parts.size(); ++i) {  // what attention() would refuse takes the definition
     const AttentionPart& p = parts[i];
     int begin = 0, end = 0;
-    // (n first: a part of no queries has no positions[p.offset] to read)
-    fast = p.n == 1 && one_query_run(p.kv, p.n, positions[p.offset], head_dim, begin, end) &&
-           std::size_t(p.kv.rows) <= slot_floats &&
+    fast = one_query_run(p.kv, p.n, positions + p.offset, head_dim, begin, end) && std::size_t(p.kv.rows) <= slot_floats &&
            !(p.kv.coded() && head_dim > kMaxCodedHeadDim);
     multiply_adds += 2 * std::int64_t(end - begin) * shape.n_heads * head_dim;
   }
@@ -722,7 +721,7 @@ void CpuBackend::attention_batch(float* out, const float* q, const int* position
     for (std::size_t i = t; i < parts.size(); i += tasks) {
       const AttentionPart& p = parts[i];
       int begin = 0, end = 0;
-      const OneQueryKernel one_query = one_query_run(p.kv, p.n, positions[p.offset], head_dim, begin, end);
+      const OneQueryKernel one_query = one_query_run(p.kv, p.n, positions + p.offset, head_dim, begin, end);
       const std::size_t at = std::size_t(p.offset) * dim;
       one_query(out + at, q + at, p.kv, begin, end, 0, shape.n_kv_heads, group, scale, scratch.data() + t * slot_floats,
                 head_stride);
