@@ -50,7 +50,7 @@ Equivalence check_equivalence(const RecordedRun& reference, const RecordedRun& r
     if (a.size() != b.size()) throw std::invalid_argument("check_equivalence: logits of different vocabularies");
     const float worst = max_abs_difference(a, b);
     if (!(worst <= tolerance) && e.first_logit_mismatch < 0) e.first_logit_mismatch = step;  // NaN counts too
-    e.worst_logit_difference = std::isnan(worst) ? worst : std::max(e.worst_logit_difference, worst);
+    e.worst_logit_difference = worst_difference(e.worst_logit_difference, worst);
     e.steps = step + 1;
     if (top2_gap(a) <= tolerance) {  // near-tie: either token is a correct answer from here on
       e.near_tie = step;

@@ -13,6 +13,7 @@
 // does the same); logits are compared up to and including that step.
 #include <algorithm>
 #include <cmath>
+#include <concepts>
 #include <functional>
 #include <span>
 #include <vector>
@@ -49,8 +50,10 @@ Equivalence check_equivalence(const RecordedRun& reference, const RecordedRun& r
 // a loop of it passed NaN logits as equal.)
 float max_abs_difference(std::span<const float> a, std::span<const float> b);
 // The larger of two such differences (or divergences), NaN where either is: for a worst over several comparisons.
-inline float worst_difference(float a, float b) { return std::isnan(a) ? a : std::isnan(b) ? b : std::max(a, b); }
-inline double worst_difference(double a, double b) { return std::isnan(a) ? a : std::isnan(b) ? b : std::max(a, b); }
+template <std::floating_point T>
+T worst_difference(T a, T b) {
+  return std::isnan(a) ? a : std::isnan(b) ? b : std::max(a, b);
+}
 
 // The difference between two next-token distributions given as logits (vocab each).
 struct LogitDivergence {

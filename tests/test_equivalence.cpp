@@ -39,8 +39,7 @@ using Run = RecordedRun;
 int compare(const Run& reference, const Run& run, int prompt_len, float& worst) {
   const Equivalence e = check_equivalence(reference, run, prompt_len);
   CHECK(e.first_token_mismatch == -1);
-  // The larger, and NaN once one was seen (std::max would drop it).
-  if (!std::isnan(worst) && !(e.worst_logit_difference <= worst)) worst = e.worst_logit_difference;
+  worst = worst_difference(worst, e.worst_logit_difference);
   return e.steps - (e.near_tie >= 0 ? 1 : 0);  // tokens compared before the first near-tie
 }
 

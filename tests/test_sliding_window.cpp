@@ -61,11 +61,6 @@ std::vector<float> all_logits(Model& model, KvCache& cache, const std::vector<in
   return out;
 }
 
-// The largest |a - b|, NaN where a side is (no tolerance passes it, nor any "differ by more than").
-float max_difference(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  return max_abs_difference(a, b);
-}
 
 std::vector<int> random_tokens(int n, int vocab, unsigned seed) {
   std::mt19937 gen(seed);
@@ -103,7 +98,7 @@ TEST_CASE("sliding window: the ring equals a full cache masked to the window, ac
             CAPTURE(chunk);
             ch04::SlidingWindowKvCache ring(backend, c, window, chunk, positions);
             CHECK(ring.slots() == W + chunk - 1);
-            CHECK(max_difference(expected, all_logits(model, ring, tokens, chunk)) <= kTolerance);
+            CHECK(max_abs_difference(expected, all_logits(model, ring, tokens, chunk)) <= kTolerance);
           }
         }
   });
@@ -119,8 +114,8 @@ TEST_CASE("sliding window: the window matters - past it, a ring and a full unmas
     ch04::SlidingWindowKvCache ring(backend, c, {8, 0}, 1);
     const std::vector<float> a = all_logits(model, full, tokens, 1), b = all_logits(model, ring, tokens, 1);
     const std::size_t inside = std::size_t(8) * c.vocab_size;  // the first 8 positions see everything in both
-    CHECK(max_difference({a.begin(), a.begin() + inside}, {b.begin(), b.begin() + inside}) <= kTolerance);
-    CHECK(max_difference(a, b) > 100 * kTolerance);
+    CHECK(max_abs_difference({a.begin(), a.begin() + inside}, {b.begin(), b.begin() + inside}) <= kTolerance);
+    CHECK(max_abs_difference(a, b) > 100 * kTolerance);
   });
 }
 
@@ -137,11 +132,11 @@ TEST_CASE("sliding window: both position variants agree until the first eviction
       ch04::SlidingWindowKvCache absolute(backend, c, {W, sinks}, 1), within(backend, c, {W, sinks}, 1,
                                                                             ch04::KeyPositions::kWithinWindow);
       const std::vector<float> a = all_logits(model, absolute, tokens, 1), b = all_logits(model, within, tokens, 1);
-      CHECK(max_difference({a.begin(), a.begin() + before_eviction}, {b.begin(), b.begin() + before_eviction}) <= kTolerance);
+      CHECK(max_abs_difference({a.begin(), a.begin() + before_eviction}, {b.begin(), b.begin() + before_eviction}) <= kTolerance);
       // RoPE scores depend on the distance between query and key only: without sinks every distance is the
       // true one in both variants, so they stay equal; sinks sit closer in the within-window variant.
-      if (sinks == 0) CHECK(max_difference(a, b) <= kTolerance);
-      else CHECK(max_difference(a, b) > 100 * kTolerance);
+      if (sinks == 0) CHECK(max_abs_difference(a, b) <= kTolerance);
+      else CHECK(max_abs_difference(a, b) > 100 * kTolerance);
     }
     // Greedy tokens on the shipped model, a prompt shorter than the window: the same text.
     const Checkpoint kjv(find_data_file("kjv-gpt.bin"));
@@ -172,7 +167,7 @@ TEST_CASE("sliding window, within-window positions: generation runs past the tra
     // token always in range proves nothing: greedy argmax picks one even from NaN logits).
     ch04::SlidingWindowKvCache ring(backend, c, {8, 2}, 4, ch04::KeyPositions::kWithinWindow);
     MaskedFullCache reference(backend, c, length, {8, 2}, /*rotate_at_read=*/true);
-    CHECK(max_difference(all_logits(model, reference, g.tokens, 1), all_logits(model, ring, g.tokens, 4)) <= kTolerance);
+    CHECK(max_abs_difference(all_logits(model, reference, g.tokens, 1), all_logits(model, ring, g.tokens, 4)) <= kTolerance);
     CHECK_THROWS_WITH(ch04::SlidingWindowKvCache(backend, c, {c.seq_len + 1, 0}, 1, ch04::KeyPositions::kWithinWindow),
                       doctest::Contains("past the model's trained context"));
   });
@@ -195,7 +190,7 @@ TEST_CASE("sliding window: a window as long as the sequence is the full cache, t
                                        [&](int, std::span<const float> l) { ring_logits.emplace_back(l.begin(), l.end()); });
   CHECK(a.tokens == b.tokens);
   float worst = 0;
-  for (std::size_t s = 0; s < full_logits.size(); ++s) worst = worst_difference(worst, max_difference(full_logits[s], ring_logits[s]));
+  for (std::size_t s = 0; s < full_logits.size(); ++s) worst = worst_difference(worst, max_abs_difference(full_logits[s], ring_logits[s]));
   CHECK(worst <= kTolerance);
 }
 
