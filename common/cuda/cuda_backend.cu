@@ -1170,12 +1170,15 @@ class CudaBackend final : public Backend {
     return ++recordings_;
   }
   void end_recording() override {
-    // The older graph goes first: a capture that fails to end (a launch inside it failed) must leave nothing that
-    // replay() would take for this recording.
+    // The capture ends before anything else: a thread capturing in thread-local mode may call nothing that is not
+    // queued on a stream, and CUDA refuses even cudaGraphExecDestroy then (an H100 did, 2026-11-27). The older
+    // graph goes before the capture's status is checked: a capture that failed to end (a launch inside it failed)
+    // must leave nothing that replay() would take for this recording.
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
     if (graph_) KVS_CUDA_CHECK(cudaGraphExecDestroy(graph_));
     graph_ = nullptr;
-    cudaGraph_t graph = nullptr;
-    KVS_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    KVS_CUDA_CHECK(ended);
     std::size_t nodes = 0;
     const cudaError_t counted = cudaGraphGetNodes(graph, nullptr, &nodes);
     recorded_launches_ = counted == cudaSuccess ? static_cast<int>(nodes) : 0;

@@ -695,6 +695,9 @@ cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
   return cudaSuccess;
 }
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  // Refused inside a capture, as an H100 refused it (2026-11-27): the harness had let end_recording destroy the
+  // older graph before ending the capture, and every recording failed on the GPU.
+  if (kvs::cuda_harness::capturing()) return cudaErrorStreamCaptureUnsupported;  // the graph stays
   delete exec;
   return cudaSuccess;
 }
