@@ -256,6 +256,7 @@ GPU_VERSIONS = [
     ("breakdown_h100_synthetic_cuda_v3.csv", "version 3: each row read once, 4 in flight"),
     ("breakdown_h100_synthetic_cuda_v5.csv", "version 5, first run: K/V via KvView::key"),
     ("breakdown_h100_synthetic_cuda_v6.csv", "version 6: float rows, plain loads"),
+    ("breakdown_h100_synthetic_cuda_v7.csv", "version 7: chunks of the visited rows"),
 ]
 GPU_TRANSCRIPT = "breakdown_h100_synthetic_cuda.csv"
 
