@@ -295,6 +295,14 @@ TEST_CASE("cuda harness: a stream capture records launches and copies, and each 
   KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
   CHECK(x.host()[0] == 4.0f);  // twice: copy 2, then add it
   CHECK(x.host()[39] == 4.0f);
+  // Destroying a graph is refused inside a capture too (an H100 refused it, 2026-11-27), and the graph stays.
+  KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  CHECK(cudaGraphExecDestroy(exec) == cudaErrorStreamCaptureUnsupported);
+  cudaGraph_t empty = nullptr;
+  KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &empty));
+  KVS_CUDA_CHECK(cudaGraphDestroy(empty));
+  KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CHECK(x.host()[0] == 6.0f);
   KVS_CUDA_CHECK(cudaGraphExecDestroy(exec));
   KVS_CUDA_CHECK(cudaStreamDestroy(stream));
 }
