@@ -13,6 +13,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/cuda_support.h"
@@ -1170,15 +1171,17 @@ class CudaBackend final : public Backend {
     return ++recordings_;
   }
   void end_recording() override {
-    // The capture ends before anything else: a thread capturing in thread-local mode may call nothing that is not
-    // queued on a stream, and CUDA refuses even cudaGraphExecDestroy then (an H100 did, 2026-11-27). The older
-    // graph goes before the capture's status is checked: a capture that failed to end (a launch inside it failed)
-    // must leave nothing that replay() would take for this recording.
+    // The capture ends before anything else: in thread-local mode CUDA refuses the capturing thread's "potentially
+    // unsafe" calls, destroying an executable graph among them (CUDA 13 on an H100 did, 2026-11-27, when this
+    // destroyed the older graph first). The older graph goes before either status is checked: a capture that
+    // failed to end (a launch inside it failed) must leave nothing that replay() would take for this recording.
     cudaGraph_t graph = nullptr;
     const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
-    if (graph_) KVS_CUDA_CHECK(cudaGraphExecDestroy(graph_));
-    graph_ = nullptr;
+    const cudaGraphExec_t older = std::exchange(graph_, nullptr);
+    const cudaError_t destroyed = older ? cudaGraphExecDestroy(older) : cudaSuccess;
     KVS_CUDA_CHECK(ended);
+    if (destroyed != cudaSuccess) cudaGraphDestroy(graph);
+    KVS_CUDA_CHECK(destroyed);
     std::size_t nodes = 0;
     const cudaError_t counted = cudaGraphGetNodes(graph, nullptr, &nodes);
     recorded_launches_ = counted == cudaSuccess ? static_cast<int>(nodes) : 0;

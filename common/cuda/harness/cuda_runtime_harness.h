@@ -18,8 +18,10 @@
 //   - the runtime calls the backend uses (cudaMalloc, cudaMemcpy, ...), on host memory;
 //   - stream capture and graphs: between cudaStreamBeginCapture and cudaStreamEndCapture, launches,
 //     asynchronous copies and the harness's matrix products are recorded (kernel arguments by value, as a
-//     launch copies them), not run; cudaGraphLaunch runs the recording. A synchronous copy, a stream
-//     synchronisation or a second capture while capturing is refused, as CUDA refuses it;
+//     launch copies them), not run; cudaGraphLaunch runs the recording. A synchronous copy or memset, a
+//     synchronisation, an allocation, a free, destroying a graph or a second capture while capturing is
+//     refused, as CUDA refuses it, and (but for the second capture) invalidates the capture, as CUDA does: its
+//     end then fails and returns no graph;
 //   - programmatic dependent launch (cuda_support.h): a kernel launched programmatically may start before the
 //     kernel ahead of it has finished, its blocks waiting in KVS_WAIT_FOR_PREVIOUS_KERNEL(). So the last kernel
 //     launched stays pending, its first block stopped at that wait, and finishes only when the next kernel,
@@ -231,6 +233,7 @@ enum cudaError_t {
   cudaErrorLaunchFailure = 719,
   cudaErrorNoDevice = 100,
   cudaErrorStreamCaptureUnsupported = 900,
+  cudaErrorStreamCaptureInvalidated = 901,
   cudaErrorIllegalState = 401
 };
 enum cudaMemcpyKind {

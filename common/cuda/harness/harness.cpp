@@ -506,6 +506,9 @@ Thread& calling_thread(const char* what) {
 
 // The work recorded by the stream capture in progress (null: none in progress).
 std::vector<std::function<void()>>* capture = nullptr;
+// Whether the capture in progress made a call CUDA refuses inside one: CUDA then invalidates the capture, and
+// its end reports that (cudaErrorStreamCaptureInvalidated) and returns no graph.
+bool capture_invalidated = false;
 
 void run_or_record(const std::function<void()>& work) {
   // Stream work other than a kernel starts once the kernel before it has finished.
@@ -517,6 +520,11 @@ void run_or_record(const std::function<void()>& work) {
   else after_pending();
 }
 bool capturing() { return capture != nullptr; }
+// What a call CUDA refuses inside a capture returns, the capture invalidated.
+cudaError_t refused_in_capture() {
+  capture_invalidated = true;
+  return cudaErrorStreamCaptureUnsupported;
+}
 
 void launch(const char* kernel, const void* kernel_address, dim3 grid, dim3 block, std::size_t dynamic_shared_bytes,
             bool programmatic, const std::function<void()>& body) {
@@ -575,13 +583,16 @@ void warp_sync(unsigned mask) {
 }  // namespace kvs::cuda_harness
 
 // ---- the runtime API on host memory ----
-// cudaMalloc, cudaFree and cudaMemset (not the Async one) are refused inside a capture, as CUDA refuses them in the
-// backend's capture mode (thread-local: the capturing thread may make no call that is not enqueued on a stream): an
-// allocation is not recorded in the graph, and a free or a plain memset synchronises. A cache whose write
-// allocated would fail a GPU's recording, not the harness's, without this.
+// cudaMalloc, cudaFree, cudaMemset and cudaMemcpy (not the Async ones), synchronising and destroying an executable
+// graph are refused inside a capture, as CUDA refuses such "potentially unsafe" calls from the capturing thread in
+// the backend's capture mode (thread-local), and the capture is invalidated (its end fails): an allocation is not
+// recorded in the graph, and a free, a plain copy or memset synchronises. A cache whose write allocated would fail
+// a GPU's recording, not the harness's, without this; an end_recording that destroyed the older graph before it
+// ended the capture did, on an H100 (2026-11-27). (The harness's capture is one for the whole process, stricter
+// than thread-local.)
 cudaError_t cudaMalloc(void** pointer, std::size_t bytes) {
   *pointer = nullptr;
-  if (kvs::cuda_harness::capturing()) return cudaErrorStreamCaptureUnsupported;
+  if (kvs::cuda_harness::capturing()) return kvs::cuda_harness::refused_in_capture();
   // 256-byte aligned like cudaMalloc, but exactly `bytes` long: AddressSanitizer reports a read even one
   // element past the end (a GPU would not notice it).
   if (bytes && posix_memalign(pointer, 256, bytes) != 0) return cudaErrorMemoryAllocation;
@@ -604,14 +615,14 @@ cudaError_t finish_pending_quietly() {
 }  // namespace
 
 cudaError_t cudaFree(void* pointer) {
-  if (kvs::cuda_harness::capturing()) return cudaErrorStreamCaptureUnsupported;  // the memory stays allocated
+  if (kvs::cuda_harness::capturing()) return kvs::cuda_harness::refused_in_capture();  // the memory stays allocated
   const cudaError_t pending = finish_pending_quietly();  // the kernel may still use the memory
   std::free(pointer);
   if (pending != cudaSuccess) return pending;
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind) {
-  if (kvs::cuda_harness::capturing()) return cudaErrorStreamCaptureUnsupported;  // as CUDA: it would synchronise
+  if (kvs::cuda_harness::capturing()) return kvs::cuda_harness::refused_in_capture();  // as CUDA: it would synchronise
   kvs::cuda_harness::finish_pending_kernel();
   if (bytes) std::memcpy(dst, src, bytes);  // memcpy, not memmove: ASan reports overlapping ranges
   return cudaSuccess;
@@ -623,7 +634,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaM
   return cudaSuccess;
 }
 cudaError_t cudaMemset(void* dst, int value, std::size_t bytes) {
-  if (kvs::cuda_harness::capturing()) return cudaErrorStreamCaptureUnsupported;
+  if (kvs::cuda_harness::capturing()) return kvs::cuda_harness::refused_in_capture();
   kvs::cuda_harness::finish_pending_kernel();
   if (bytes) std::memset(dst, value, bytes);
   return cudaSuccess;
@@ -635,7 +646,7 @@ cudaError_t cudaMemsetAsync(void* dst, int value, std::size_t bytes, cudaStream_
   return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize() {
-  if (kvs::cuda_harness::capturing()) return cudaErrorStreamCaptureUnsupported;
+  if (kvs::cuda_harness::capturing()) return kvs::cuda_harness::refused_in_capture();
   kvs::cuda_harness::finish_pending_kernel();
   return cudaSuccess;
 }
@@ -663,21 +674,26 @@ struct CUgraphExec_st {
 cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode) {
   if (kvs::cuda_harness::capture) return cudaErrorIllegalState;  // one capture at a time
   kvs::cuda_harness::capture = new std::vector<std::function<void()>>;
+  kvs::cuda_harness::capture_invalidated = false;
   return cudaSuccess;
 }
 cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t* graph) {
   if (!kvs::cuda_harness::capture) return cudaErrorIllegalState;
-  *graph = new CUgraph_st{std::move(*kvs::cuda_harness::capture)};
+  const bool invalidated = kvs::cuda_harness::capture_invalidated;
+  *graph = invalidated ? nullptr : new CUgraph_st{std::move(*kvs::cuda_harness::capture)};
   delete kvs::cuda_harness::capture;
   kvs::cuda_harness::capture = nullptr;
-  return cudaSuccess;
+  kvs::cuda_harness::capture_invalidated = false;
+  return invalidated ? cudaErrorStreamCaptureInvalidated : cudaSuccess;  // the capture has ended either way
 }
 cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
   *exec = new CUgraphExec_st{graph->work};
   return cudaSuccess;
 }
 cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t) {
-  if (kvs::cuda_harness::capturing()) return cudaErrorStreamCaptureUnsupported;
+  // CUDA would record a graph launched inside a capture as a node of the new graph; nothing here does that, and
+  // the harness, which cannot, refuses it rather than run it at once.
+  if (kvs::cuda_harness::capturing()) return kvs::cuda_harness::refused_in_capture();
   // A graph's first kernel waits for what the stream ran before; the work after the graph, for its last kernel.
   kvs::cuda_harness::finish_pending_kernel();
   for (const auto& work : exec->work) work();
@@ -695,9 +711,7 @@ cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
   return cudaSuccess;
 }
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
-  // Refused inside a capture, as an H100 refused it (2026-11-27): the harness had let end_recording destroy the
-  // older graph before ending the capture, and every recording failed on the GPU.
-  if (kvs::cuda_harness::capturing()) return cudaErrorStreamCaptureUnsupported;  // the graph stays
+  if (kvs::cuda_harness::capturing()) return kvs::cuda_harness::refused_in_capture();  // the graph stays
   delete exec;
   return cudaSuccess;
 }
@@ -713,6 +727,7 @@ const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorNoDevice: return "no CUDA-capable device is detected";
     case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
     case cudaErrorIllegalState: return "the operation cannot be performed in the present state";
     case cudaErrorLaunchFailure: return "unspecified launch failure";
   }
