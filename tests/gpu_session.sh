@@ -116,7 +116,7 @@ step_ab() {
 }
 step_chunks() {
   # Decoding's chunks (KVS_DECODE_CHUNKS=SPLITS,ROWS, default 64,64): more, shorter chunks keep more of the GPU
-  # busy - at 512 positions the default's 8 or 9 chunks are 32 to 36 blocks of the synthetic model on 132 SMs, each
+  # busy - at 512 positions the default's 9 chunks are 36 blocks of the synthetic model on 132 SMs, each
   # warp four rounds of rows - but the last block of each KV head merges every chunk's partial. Each setting in turn, the
   # synthetic model at 512, 4,096 and 16,384 positions and the shipped one; CHUNKS (space-separated) replaces the
   # settings, CHUNKS_ROUNDS (default 1: one build, no drift between builds to interleave against) repeats them.
