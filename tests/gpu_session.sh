@@ -115,16 +115,19 @@ step_ab() {
   step_done ab
 }
 step_chunks() {
-  # Decoding's chunks (KVS_DECODE_CHUNKS=SPLITS,ROWS, default 64,64): more, shorter chunks keep more of the GPU
-  # busy - at 512 positions the default's 9 chunks are 36 blocks of the synthetic model on 132 SMs, each
-  # warp four rounds of rows - but the last block of each KV head merges every chunk's partial. Each setting in turn, the
-  # synthetic model at 512, 4,096 and 16,384 positions and the shipped one; CHUNKS (space-separated) replaces the
-  # settings, CHUNKS_ROUNDS (default 1: one build, no drift between builds to interleave against) repeats them.
-  # Their rows join ab_table.md.
+  # Decoding's chunks (KVS_DECODE_CHUNKS=SPLITS,ROWS, default 64,16): more, shorter chunks keep more of the GPU
+  # busy - at 512 positions chunks of 64 rows (64,64, the default until 2026-11-27) are 9 a KV head, 36 blocks of
+  # the synthetic model on 132 SMs, each warp four rounds of rows; chunks of 16, 132 to 136 blocks, made the step
+  # 11-13% shorter - but the last block of each KV head merges every chunk's partial. 64,16 and 64,64 cut alike
+  # from 4,096 rows on; between 1,024 and 4,096 (2,048 here) they differ, unmeasured until this step ran whole;
+  # 128,16 and 256,16 make more chunks past 1,024 and 2,048 rows. Each setting in turn, the synthetic model at
+  # 512, 2,048, 4,096 and 16,384 positions and the shipped one; CHUNKS (space-separated) replaces the settings,
+  # CHUNKS_ROUNDS (default 1: one build, no drift between builds to interleave against) repeats them. Their rows
+  # join ab_table.md.
   for round in $(seq 1 "${CHUNKS_ROUNDS:-1}"); do
-    for chunks in ${CHUNKS:-64,64 32,64 128,16 256,16}; do
+    for chunks in ${CHUNKS:-64,16 64,64 128,16 256,16}; do
       name=chunks-${chunks/,/-}
-      KVS_DECODE_CHUNKS=$chunks build/release/bin/03_benchmark --backend cuda $synthetic --lengths 512,4096,16384 \
+      KVS_DECODE_CHUNKS=$chunks build/release/bin/03_benchmark --backend cuda $synthetic --lengths 512,2048,4096,16384 \
         --csv "$out/synthetic_${name}_$round.csv" >"$out/synthetic_${name}_$round.log" 2>&1
       synthetic_status=$?
       KVS_DECODE_CHUNKS=$chunks build/release/bin/03_benchmark --backend cuda $shipped \

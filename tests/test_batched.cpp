@@ -166,7 +166,7 @@ TEST_CASE("batched attention: each sequence gets the bits of its attention alone
         int max_rows = 0;
         for (int i = 0; i < sequences; ++i) {
           Sequence& s = held[i];
-          // A first view of 4,500 rows in the batches of 3: over 4,096, the CUDA kernel's chunks grow past 64 rows
+          // A first view of 4,500 rows in the batches of 3: over 1,024, the CUDA kernel's chunks grow past 16 rows
           // (DecodeChunks::rows_per_split), so its neighbours in the launch are cut into chunks of another size.
           const int rows = sequences == 3 && i == 0 ? 4500 : row_counts[i % 6], block_size = i % 2 ? 16 : 3;
           const int n = kind == Kind::kPrefillChunk && i == 1 ? 4 : 1;
@@ -458,9 +458,9 @@ TEST_CASE("batched decode: a few sequences each get the very bits of their step 
     // The CUDA kernels' products take 8 tokens a tile: 2 and 3 fill part of one, 9 ends in a tile of 1, 20 in one
     // of 4. Under the sanitizer (test_util.h) 3 and 9 alone: 20 sequences through the harness took 63 s there, and
     // made this the suite's longest test (134 s in CI with all four).
-    // Prompts of different lengths, 5 to 110 bytes (views past 64 rows are split in chunks on the kernels: 20
-    // sequences cross that); under the sanitizer 5 to 21, for 3 and 9 sequences never past 64 anyway (the
-    // harness's prefills of up to 61 bytes were most of the 51 s that 9 sequences took there).
+    // Prompts of different lengths, 5 to 110 bytes (views past 16 rows are split in chunks on the kernels, past
+    // 64 before: most sequences cross either); under the sanitizer 5 to 21 (the harness's prefills of up to 61
+    // bytes were most of the 51 s that 9 sequences took there), which still cross 16.
     const int length_step = test::sanitizer_run() ? 2 : 7;
     const std::vector<int> kernel_batches = test::sanitizer_run() ? std::vector<int>{3, 9} : std::vector<int>{2, 3, 9, 20};
     for (const int sequences : cpu ? std::vector<int>{2, 9, 16, 64} : kernel_batches) {

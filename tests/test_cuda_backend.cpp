@@ -464,14 +464,15 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
       check_attention(b, gen, shape, consecutive(97, 0), false, 0, {}, 96, 1);
     // Decoding blocks serve up to 4 query heads of one KV head (the largest divisor of the group): groups of 8
     // (two blocks per KV head) and 5 (one head per block); head_dim 40 and 64 (two elements per lane); rows
-    // around a chunk (64) and the rows a warp loads at once (4).
+    // around a chunk (16 rows by default; 64, the former default) and the rows a warp loads at once (4).
     const AttentionShape group8{8, 1, 64}, group5{10, 2, 40};
-    for (int rows : {63, 64, 65, 67, 130}) {
+    for (int rows : {15, 16, 17, 63, 64, 65, 67, 130}) {
       check_attention(b, gen, group8, consecutive(rows, 0), false, 0, {}, rows - 1, 1);
       check_attention(b, gen, group5, consecutive(rows, 0), false, 0, {}, rows - 1, 1);
     }
-    // Past 64 chunks of 64 rows (4,096) the chunks grow: 4,200 rows are 64 chunks of 66 rows, the last of 42
-    // (chunks of 64 would be 66, more than the default's 64 chunks).
+    // Past 64 chunks of 16 rows (1,024) the chunks grow: 1,025 rows are 61 chunks of 17 rows, the last of 5
+    // (chunks of 16 would be 65, more than the default's 64 chunks); 4,200 rows are 64 chunks of 66, the last of 42.
+    check_attention(b, gen, group8, consecutive(1025, 0), false, 0, {}, 1024, 1);
     check_attention(b, gen, group8, consecutive(4200, 0), false, 0, {}, 4199, 1);
     // Prefill: causal over the whole prompt, and a chunk after a cached prefix.
     check_attention(b, gen, gqa, consecutive(70, 0), false, 0, {}, 0, 70);
@@ -500,7 +501,7 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
     check_attention(b, gen, mha, consecutive(33, 0), false, 0, Window{.size = 40, .sinks = 0}, 20, 13, true);
     // Nothing visible at all (a deliberately broken cache): the output is 0, not NaN.
     check_attention(b, gen, mha, {-1, -1, 500}, true, 0, {}, 10, 1);
-    // Decoding over a long view runs split into chunks of rows (64 rows or more each) and merged: a whole
+    // Decoding over a long view runs split into chunks of rows (16 rows or more each) and merged: a whole
     // preallocated buffer whose rows past the query are unwritten (NaN), whole chunks past the query's row;
     // a window with sinks that hides whole chunks (a chunk with nothing visible must add nothing); a ring
     // of 600 slots, out of order, with empty slots, stored rotated and rotated at read time.

@@ -100,9 +100,9 @@ TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on
                         "int8 (chapter 10)", "int4 (chapter 10)"});
 }
 
-// The shipped model's 50 rows are one chunk of the CUDA kernel's default cut (64 rows or more), so the test above
-// never replays a split launch through the harness. Cut into chunks of one row (KVS_DECODE_CHUNKS=256,1), every
-// replayed step's query makes one chunk more than the last (27 to 50 on the preallocated cache): the same recorded
+// The shipped model's 27 to 50 rows are 2 to 4 chunks of the CUDA kernel's default cut (16 rows or more), so the
+// test above replays split launches whose chunks change every 16 steps. Cut into chunks of one row
+// (KVS_DECODE_CHUNKS=256,1), every replayed step's query makes one chunk more than the last: the same recorded
 // launch, its grid sized for the view, must leave the blocks past them out of the merge and its arrival counters
 // at 0 for the next layer and step. The float rows' kernel and the general one (read-time rotation).
 TEST_CASE("recorded decoding: replayed split decoding, its chunks changing at every step (KVS_DECODE_CHUNKS=256,1)") {
@@ -113,7 +113,7 @@ TEST_CASE("recorded decoding: replayed split decoding, its chunks changing at ev
 
 // What a recorded step holds, counted: the fused operations (backend.h) are one kernel each for a decode step
 // on the CUDA backend, so a layer is its q/k/v products (norm and RoPE fused in, and chapter 03's cache write:
-// KvCache::rows_write), attention (a view of more than 64 rows is split in chunks, as these 100 rows are, and
+// KvCache::rows_write), attention (a view of more than 16 rows is split in chunks, as these 100 rows are, and
 // the last block of each head merges them: no second kernel), the output product with its residual add, the
 // gate and up products with SwiGLU, and the down product with its add: 5 launches; and the step adds the
 // embedding, the RoPE table and the classifier. A fused operation that fell back to its definition (a norm,
@@ -162,9 +162,9 @@ TEST_CASE("attention: rows past a query's position are never read, whatever they
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const AttentionShape shape{4, 2, 32};
   const int kv_dim = shape.n_kv_heads * shape.head_dim, dim = shape.n_heads * shape.head_dim;
-  // A buffer of 100 rows; and one of 4,500, past the 4,096 rows where the CUDA decoding kernel's chunks grow past
-  // 64 rows: a query at 300 or 4,200 there must be cut into the chunks of its prefix (a cut by the buffer's size
-  // differs in the last bits).
+  // A buffer of 100 rows; and one of 4,500, past the 1,024 rows where the CUDA decoding kernel's chunks grow past
+  // 16 rows (and the 4,096 where they grew past 64 before): a query at 300 or 4,200 there must be cut into the
+  // chunks of its prefix (a cut by the buffer's size differs in the last bits).
   test::for_each_backend(test::test_backend_names(), [&](Backend& b) {
     for (const auto& [capacity, query_positions] :
          {std::pair{100, std::vector<int>{0, 1, 31, 63, 64, 99}}, std::pair{4500, std::vector<int>{300, 4200}}}) {

@@ -521,23 +521,29 @@ constexpr int kDecodeWarps = 4;
 constexpr std::size_t kArrivalCounters = 256 * kMaxBatchSequences;
 
 // Decoding's chunks (DecodeChunks): the rows a query visits cut into at most max_splits chunks of min_rows rows or
-// more each (the last one may be shorter). By default 64 chunks of 64 rows or more (four rounds of a block's warps,
-// kRowsInFlight rows each): the merge reads every chunk's partial, and at 16,384 positions 256 chunks of 64 rows
-// made the synthetic model's step 3.9-4.1 ms, 64 chunks of 256 rows 3.4-3.5 (H100, one run, the merge then a kernel
-// of its own; 8 warps per block: 2-6% faster at 512 and 4,096 positions, 5-9% slower at 16,384; 8 rows in flight:
-// slower at each). A query of one chunk needs no merge. The chunks cut the rows a query visits, not the view's
-// rows: a preallocated buffer of 16,416 rows cut by its size made chunks of 257 rows, and a query at position 512
-// kept 2 or 3 blocks a KV head busy while the others saw nothing (its step 2.59 ms, against 1.72 in a buffer of
-// 4,128 rows, whose chunks are 65 rows long: H100, 2026-11-26). So a view of a whole buffer and one of its written
-// prefix give the same bits (tested). The kernel cuts each sequence's rows; the host sizes the grid for the most
-// chunks any query of a view can make (grid_splits). Never by the batch's size: a sequence is cut the same alone
-// and in a batch, so it gets the same bits.
+// more each (the last one may be shorter). By default 64 chunks of 16 rows or more (one round of a block's warps,
+// kRowsInFlight rows each): up to 1,024 rows, chunks of 16, so that a short context still gives the GPU blocks to
+// run (at 512 positions, 33 chunks a KV head, 132 blocks of the synthetic model for an H100's 132 SMs, where
+// chunks of 64 rows made 9, 36 blocks, and a step 11-13% longer; the shipped model's step from 32 positions 21-23%
+// longer: H100, 2026-11-27, book 07); past 1,024 rows, 64 chunks of more rows (from 4,096 rows on the cut of the
+// former default, chunks of 64 rows or more, measured at 4,096 and 16,384 positions; between, not yet measured).
+// No more than 64: the merge reads every chunk's
+// partial, and at 16,384 positions 256 chunks of 64 rows made the synthetic model's step 3.9-4.1 ms, 64 chunks of
+// 256 rows 3.4-3.5 (H100, one run, the merge then a kernel of its own; 8 warps per block: 2-6% faster at 512 and
+// 4,096 positions, 5-9% slower at 16,384; 8 rows in flight: slower at each). A query of one chunk needs no merge.
+// The chunks cut the rows a query visits, not the view's rows: a preallocated buffer of 16,416 rows cut by its
+// size made chunks of 257 rows, and a query at position 512 kept 2 or 3 blocks a KV head busy while the others saw
+// nothing (its step 2.59 ms, against 1.72 in a buffer of 4,128 rows, whose chunks are 65 rows long: H100,
+// 2026-11-26). So a view of a whole buffer and one of its written prefix give the same bits (tested). The kernel
+// cuts each sequence's rows; the host sizes the grid for the most chunks any query of a view can make
+// (grid_splits). Never by the batch's size: a sequence is cut the same alone and in a batch, so it gets the same
+// bits.
 constexpr int kRowsPerRound = kDecodeWarps * kRowsInFlight;  // the rows a block's warps load at once
 constexpr int kMaxSplits = 256;  // the most chunks KVS_DECODE_CHUNKS may ask for (the merge's weights in shared memory)
 
 struct DecodeChunks {
   int max_splits = 64;
-  int min_rows = 4 * kRowsPerRound;
+  int min_rows = kRowsPerRound;
 
   // The rows of each chunk of a query that visits `rows` rows (the kernel's cut; the last chunk may be shorter).
   KVS_HOST_DEVICE int rows_per_split(int rows) const {
@@ -557,8 +563,8 @@ struct DecodeChunks {
 // The chunks decoding cuts views into on this run: DecodeChunks' default, or KVS_DECODE_CHUNKS=SPLITS,ROWS where set
 // (at most SPLITS chunks, 1 to kMaxSplits, of ROWS rows or more, 1 to 65,536; a query's last chunk may be
 // shorter). Why a variable: how many blocks keep an H100's memory busy, against what the merge of more chunks
-// costs, is a GPU's measurement (at 512 positions the default's 9 chunks are 36 blocks of the synthetic model on
-// 132 SMs; chunks of 16 rows, 132 to 136 blocks, made its step 11-13% shorter there: H100, 2026-11-27, book 07), and tests/gpu_session.sh makes it with one build (its chunks step).
+// costs, is a GPU's measurement (at 512 positions chunks of 64 rows are 36 blocks of the synthetic model on 132
+// SMs; chunks of 16 rows, 132 to 136 blocks, made its step 11-13% shorter there: H100, 2026-11-27, book 07), and tests/gpu_session.sh makes it with one build (its chunks step).
 DecodeChunks decode_chunks() {
   const char* value = std::getenv("KVS_DECODE_CHUNKS");
   if (!value) return {};
