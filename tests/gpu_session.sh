@@ -119,8 +119,9 @@ step_chunks() {
   # busy - at 512 positions chunks of 64 rows (64,64, the default until 2026-11-27) are 9 a KV head, 36 blocks of
   # the synthetic model on 132 SMs, each warp four rounds of rows; chunks of 16, 132 to 136 blocks, made the step
   # 11-13% shorter - but the last block of each KV head merges every chunk's partial. 64,16 and 64,64 cut alike
-  # from 4,096 rows on; between 1,024 and 4,096 (2,048 here) they differ, unmeasured until this step ran whole;
-  # 128,16 and 256,16 make more chunks past 1,024 and 2,048 rows. Each setting in turn, the synthetic model at
+  # from 4,033 rows on; between 1,024 and 4,032 (the synthetic model's 2,048 here, the shipped one's 1,984) they
+  # differ, unmeasured until this step ran whole; past 1,024 rows 128,16 and 256,16 make more chunks than 64,16
+  # (128,16 alike up to 2,048). Each setting in turn, the synthetic model at
   # 512, 2,048, 4,096 and 16,384 positions and the shipped one; CHUNKS (space-separated) replaces the settings,
   # CHUNKS_ROUNDS (default 1: one build, no drift between builds to interleave against) repeats them. Their rows
   # join ab_table.md.

@@ -458,9 +458,9 @@ TEST_CASE("batched decode: a few sequences each get the very bits of their step 
     // The CUDA kernels' products take 8 tokens a tile: 2 and 3 fill part of one, 9 ends in a tile of 1, 20 in one
     // of 4. Under the sanitizer (test_util.h) 3 and 9 alone: 20 sequences through the harness took 63 s there, and
     // made this the suite's longest test (134 s in CI with all four).
-    // Prompts of different lengths, 5 to 110 bytes (views past 16 rows are split in chunks on the kernels, past
-    // 64 before: most sequences cross either); under the sanitizer 5 to 21 (the harness's prefills of up to 61
-    // bytes were most of the 51 s that 9 sequences took there), which still cross 16.
+    // Prompts of different lengths, 5 to 110 bytes (a query visiting more than 16 rows is split in chunks on the
+    // kernels, past 64 before: 7 of the 16 lengths cross that); under the sanitizer 5 to 21 (the harness's prefills
+    // of up to 61 bytes were most of the 51 s that 9 sequences took there), which still cross 16.
     const int length_step = test::sanitizer_run() ? 2 : 7;
     const std::vector<int> kernel_batches = test::sanitizer_run() ? std::vector<int>{3, 9} : std::vector<int>{2, 3, 9, 20};
     for (const int sequences : cpu ? std::vector<int>{2, 9, 16, 64} : kernel_batches) {

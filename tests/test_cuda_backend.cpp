@@ -548,7 +548,7 @@ TEST_CASE("cuda kernels: decoding cut into other chunks (KVS_DECODE_CHUNKS) equa
 
 // The split decoding kernel counts each (KV head, tile, sequence)'s finished chunks in counters the backend holds
 // (kArrivalCounters, 16,384): a launch with more is refused before it writes past them. 257 query heads, each
-// its own KV head (a tile of 1), in 64 sequences of 65 rows (two chunks each) are 16,448.
+// its own KV head (a tile of 1), in 64 sequences of 65 rows (split: five chunks each) are 16,448.
 TEST_CASE("cuda kernels: a split decoding launch with more blocks per chunk than the arrival counters is refused") {
   test::for_each_backend(kernel_backends(), [&](Backend& b) {
     const AttentionShape shape{257, 257, 32};
@@ -572,7 +572,8 @@ TEST_CASE("cuda kernels: a split decoding launch with more blocks per chunk than
 // heads of its KV head NaN, as the reference's softmax does; the other KV head's heads stay the reference's. The
 // CUDA kernels' online softmax took its running maximum with fmaxf, which drops a NaN operand, and divided by the
 // sum only where it was > 0, which a NaN sum is not: the output came out finite (0 or the other rows' average)
-// wherever the NaN row was. Decode in one chunk and in many (the NaN in a later chunk and in the first), prefill in
+// wherever the NaN row was. Decode in one chunk (16 rows, one round of the block's warps) and in many (the NaN in a
+// later chunk and in the first), prefill in
 // tiles of queries, and the observed path (attention_kernel).
 TEST_CASE("attention: a NaN in a visible key turns its heads' output NaN on every backend and kernel") {
   std::mt19937 gen(13);
@@ -581,7 +582,7 @@ TEST_CASE("attention: a NaN in a visible key turns its heads' output NaN on ever
   struct Case {
     int rows, bad_row, pos, n;
   };
-  for (const Case k : {Case{64, 0, 63, 1}, Case{97, 50, 96, 1}, Case{1, 0, 0, 1}, Case{1100, 700, 1099, 1},
+  for (const Case k : {Case{16, 9, 15, 1}, Case{64, 0, 63, 1}, Case{97, 50, 96, 1}, Case{1, 0, 0, 1}, Case{1100, 700, 1099, 1},
                        Case{1100, 0, 1099, 1}, Case{130, 0, 0, 130}, Case{130, 100, 0, 130}}) {
     CAPTURE(k.rows); CAPTURE(k.bad_row); CAPTURE(k.n);
     std::vector<float> keys = random_vector(std::size_t(k.rows) * kv_dim, gen), values = random_vector(keys.size(), gen);

@@ -521,12 +521,13 @@ constexpr int kDecodeWarps = 4;
 constexpr std::size_t kArrivalCounters = 256 * kMaxBatchSequences;
 
 // Decoding's chunks (DecodeChunks): the rows a query visits cut into at most max_splits chunks of min_rows rows or
-// more each (the last one may be shorter). By default 64 chunks of 16 rows or more (one round of a block's warps,
-// kRowsInFlight rows each): up to 1,024 rows, chunks of 16, so that a short context still gives the GPU blocks to
-// run (at 512 positions, 33 chunks a KV head, 132 blocks of the synthetic model for an H100's 132 SMs, where
-// chunks of 64 rows made 9, 36 blocks, and a step 11-13% longer; the shipped model's step from 32 positions 21-23%
-// longer: H100, 2026-11-27, book 07); past 1,024 rows, 64 chunks of more rows (from 4,096 rows on the cut of the
-// former default, chunks of 64 rows or more, measured at 4,096 and 16,384 positions; between, not yet measured).
+// more each (the last one may be shorter). By default at most 64 chunks of 16 rows or more (one round of a block's
+// warps, kRowsInFlight rows each): up to 1,024 rows, chunks of 16, so that a short context still gives the GPU
+// blocks to run (at 512 positions, 33 chunks a KV head, 132 blocks of the synthetic model for an H100's 132 SMs,
+// where chunks of 64 rows made 9, 36 blocks: chunks of 16 made its step 11-13% shorter, and the shipped model's
+// from 32 positions 21-23%: H100, 2026-11-27, one run each, book 07); past 1,024 rows, 61 to 64 chunks of more
+// rows (from 4,033 rows on the cut of the former default, chunks of 64 rows or more, measured at 4,096 and 16,384
+// positions; between, not yet measured).
 // No more than 64: the merge reads every chunk's
 // partial, and at 16,384 positions 256 chunks of 64 rows made the synthetic model's step 3.9-4.1 ms, 64 chunks of
 // 256 rows 3.4-3.5 (H100, one run, the merge then a kernel of its own; 8 warps per block: 2-6% faster at 512 and
@@ -648,7 +649,7 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   // The chunks this query's rows make, at least one (a query that sees nothing still writes its zeros). The grid
   // may hold more - it is sized for the most chunks any query of the view can make, so that a recorded step
   // replays at every position - and a block past them leaves at once: the merge waits for these alone (a
-  // preallocated buffer of 16,416 rows at position 512 visits 513 rows, 9 chunks of the 64). A split launch's query
+  // preallocated buffer of 16,416 rows at position 512 visits 513 rows, 33 chunks of the grid's 64). A split launch's query
   // of one chunk is still "merged", from its one partial: the same bits as writing out directly (its weight is
   // exp(0) = 1), where telling the two apart cost 21 registers (ptxas -v: 117 against 96).
   const int splits = rows > rows_per_split ? (rows + rows_per_split - 1) / rows_per_split : 1;
