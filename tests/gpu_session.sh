@@ -121,10 +121,9 @@ step_chunks() {
   # 11-13% shorter - but the last block of each KV head merges every chunk's partial. 64,16 and 64,64 cut alike
   # from 4,033 rows on; between 1,024 and 4,032 (the synthetic model's 2,048 here, the shipped one's 1,984) they
   # differ, unmeasured until this step ran whole; past 1,024 rows 128,16 and 256,16 make more chunks than 64,16
-  # (128,16 alike up to 2,048). Each setting in turn, the synthetic model at
-  # 512, 2,048, 4,096 and 16,384 positions and the shipped one; CHUNKS (space-separated) replaces the settings,
-  # CHUNKS_ROUNDS (default 1: one build, no drift between builds to interleave against) repeats them. Their rows
-  # join ab_table.md.
+  # (128,16 alike up to 2,048). Each setting in turn, the synthetic model at 512, 2,048, 4,096 and 16,384
+  # positions and the shipped one; CHUNKS (space-separated) replaces the settings, CHUNKS_ROUNDS (default 1: one
+  # build, no drift between builds to interleave against) repeats them. Their rows join ab_table.md.
   for round in $(seq 1 "${CHUNKS_ROUNDS:-1}"); do
     for chunks in ${CHUNKS:-64,16 64,64 128,16 256,16}; do
       name=chunks-${chunks/,/-}

@@ -573,8 +573,7 @@ TEST_CASE("cuda kernels: a split decoding launch with more blocks per chunk than
 // CUDA kernels' online softmax took its running maximum with fmaxf, which drops a NaN operand, and divided by the
 // sum only where it was > 0, which a NaN sum is not: the output came out finite (0 or the other rows' average)
 // wherever the NaN row was. Decode in one chunk (16 rows, one round of the block's warps) and in many (the NaN in a
-// later chunk and in the first), prefill in
-// tiles of queries, and the observed path (attention_kernel).
+// later chunk and in the first), prefill in tiles of queries, and the observed path (attention_kernel).
 TEST_CASE("attention: a NaN in a visible key turns its heads' output NaN on every backend and kernel") {
   std::mt19937 gen(13);
   const AttentionShape shape{4, 2, 32};  // query heads 0 and 1 read KV head 0, whose key in bad_row holds the NaN
@@ -582,8 +581,8 @@ TEST_CASE("attention: a NaN in a visible key turns its heads' output NaN on ever
   struct Case {
     int rows, bad_row, pos, n;
   };
-  for (const Case k : {Case{16, 9, 15, 1}, Case{64, 0, 63, 1}, Case{97, 50, 96, 1}, Case{1, 0, 0, 1}, Case{1100, 700, 1099, 1},
-                       Case{1100, 0, 1099, 1}, Case{130, 0, 0, 130}, Case{130, 100, 0, 130}}) {
+  for (const Case k : {Case{16, 9, 15, 1}, Case{64, 0, 63, 1}, Case{97, 50, 96, 1}, Case{1, 0, 0, 1},
+                       Case{1100, 700, 1099, 1}, Case{1100, 0, 1099, 1}, Case{130, 0, 0, 130}, Case{130, 100, 0, 130}}) {
     CAPTURE(k.rows); CAPTURE(k.bad_row); CAPTURE(k.n);
     std::vector<float> keys = random_vector(std::size_t(k.rows) * kv_dim, gen), values = random_vector(keys.size(), gen);
     keys[std::size_t(k.bad_row) * kv_dim + 5] = std::numeric_limits<float>::quiet_NaN();

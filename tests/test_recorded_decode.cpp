@@ -100,11 +100,12 @@ TEST_CASE("recorded decoding: replayed steps give forward's tokens and logits on
                         "int8 (chapter 10)", "int4 (chapter 10)"});
 }
 
-// The shipped model's decode steps visit 27 to 49 rows (a view of 50): 2 to 4 chunks of the CUDA kernel's default
-// cut (16 rows or more), so the test above replays split launches whose chunks change every 16 steps. Cut into chunks of one row
-// (KVS_DECODE_CHUNKS=256,1), every replayed step's query makes one chunk more than the last: the same recorded
-// launch, its grid sized for the view, must leave the blocks past them out of the merge and its arrival counters
-// at 0 for the next layer and step. The float rows' kernel and the general one (read-time rotation).
+// The shipped model's decode steps visit 27 to 49 rows (a view of 50): 2 to 4 chunks of the CUDA kernel's
+// default cut (16 rows or more), so the test above replays split launches whose chunks change every 16 steps.
+// Cut into chunks of one row (KVS_DECODE_CHUNKS=256,1), every replayed step's query makes one chunk more than the
+// last: the same recorded launch, its grid sized for the view, must leave the blocks past them out of the merge
+// and its arrival counters at 0 for the next layer and step. The float rows' kernel and the general one
+// (read-time rotation).
 TEST_CASE("recorded decoding: replayed split decoding, its chunks changing at every step (KVS_DECODE_CHUNKS=256,1)") {
   const test::UnsetAtExit unset{"KVS_DECODE_CHUNKS"};
   setenv("KVS_DECODE_CHUNKS", "256,1", 1);

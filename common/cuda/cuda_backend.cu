@@ -527,11 +527,10 @@ constexpr std::size_t kArrivalCounters = 256 * kMaxBatchSequences;
 // where chunks of 64 rows made 9, 36 blocks: chunks of 16 made its step 11-13% shorter, and the shipped model's
 // from 32 positions 21-23%: H100, 2026-11-27, one run each, book 07); past 1,024 rows, 61 to 64 chunks of more
 // rows (from 4,033 rows on the cut of the former default, chunks of 64 rows or more, measured at 4,096 and 16,384
-// positions; between, not yet measured).
-// No more than 64: the merge reads every chunk's
-// partial, and at 16,384 positions 256 chunks of 64 rows made the synthetic model's step 3.9-4.1 ms, 64 chunks of
-// 256 rows 3.4-3.5 (H100, one run, the merge then a kernel of its own; 8 warps per block: 2-6% faster at 512 and
-// 4,096 positions, 5-9% slower at 16,384; 8 rows in flight: slower at each). A query of one chunk needs no merge.
+// positions; between, not yet measured). No more than 64: the merge reads every chunk's partial, and at 16,384
+// positions 256 chunks of 64 rows made the synthetic model's step 3.9-4.1 ms, 64 chunks of 256 rows 3.4-3.5 (H100,
+// one run, the merge then a kernel of its own; 8 warps per block: 2-6% faster at 512 and 4,096 positions, 5-9%
+// slower at 16,384; 8 rows in flight: slower at each). A query of one chunk needs no merge.
 // The chunks cut the rows a query visits, not the view's rows: a preallocated buffer of 16,416 rows cut by its
 // size made chunks of 257 rows, and a query at position 512 kept 2 or 3 blocks a KV head busy while the others saw
 // nothing (its step 2.59 ms, against 1.72 in a buffer of 4,128 rows, whose chunks are 65 rows long: H100,
@@ -565,7 +564,8 @@ struct DecodeChunks {
 // (at most SPLITS chunks, 1 to kMaxSplits, of ROWS rows or more, 1 to 65,536; a query's last chunk may be
 // shorter). Why a variable: how many blocks keep an H100's memory busy, against what the merge of more chunks
 // costs, is a GPU's measurement (at 512 positions chunks of 64 rows are 36 blocks of the synthetic model on 132
-// SMs; chunks of 16 rows, 132 to 136 blocks, made its step 11-13% shorter there: H100, 2026-11-27, book 07), and tests/gpu_session.sh makes it with one build (its chunks step).
+// SMs; chunks of 16 rows, 132 to 136 blocks, made its step 11-13% shorter there: H100, 2026-11-27, book 07), and
+// tests/gpu_session.sh makes it with one build (its chunks step).
 DecodeChunks decode_chunks() {
   const char* value = std::getenv("KVS_DECODE_CHUNKS");
   if (!value) return {};
@@ -649,9 +649,9 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   // The chunks this query's rows make, at least one (a query that sees nothing still writes its zeros). The grid
   // may hold more - it is sized for the most chunks any query of the view can make, so that a recorded step
   // replays at every position - and a block past them leaves at once: the merge waits for these alone (a
-  // preallocated buffer of 16,416 rows at position 512 visits 513 rows, 33 chunks of the grid's 64). A split launch's query
-  // of one chunk is still "merged", from its one partial: the same bits as writing out directly (its weight is
-  // exp(0) = 1), where telling the two apart cost 21 registers (ptxas -v: 117 against 96).
+  // preallocated buffer of 16,416 rows at position 512 visits 513 rows, 33 chunks of the grid's 64). A split
+  // launch's query of one chunk is still "merged", from its one partial: the same bits as writing out directly
+  // (its weight is exp(0) = 1), where telling the two apart cost 21 registers (ptxas -v: 117 against 96).
   const int splits = rows > rows_per_split ? (rows + rows_per_split - 1) / rows_per_split : 1;
   if (split >= splits) return;
   const int row_begin = split * rows_per_split;
