@@ -8,7 +8,7 @@
 # (default: build,ab,test,chunks,sanitize,profile,chapters; profile: the synthetic model's decode kernels under Nsight
 # Compute, each one's time and DRAM bytes, in profile.md, and what the decoding kernel's and the products' warps
 # wait on; chunks: this build's decode steps with decoding cut into other chunks, KVS_DECODE_CHUNKS, added to
-# ab_table.md; chapters: the batch throughput of chapter 08 and the formats' speed of chapter 10 on the GPU; transcripts: book
+# ab_table.md; chapters: chapter 08's serve check and batch throughput and chapter 10's formats' speed on the GPU; transcripts: book
 # 07's GPU transcripts re-run, the book and its CSVs copied into OUT_DIR). Put the A/B right after the build: a call stopped at its time limit has the measurements.
 # Header-only dependencies the machine lacks (Eigen, doctest) may be given as a prefix in .deps/ (CMake config
 # files included); a base tree (git archive of an older commit) as BASE_SOURCE_DIR. tests/gpu_prepare.sh COMMIT
@@ -214,6 +214,11 @@ step_profile() {
   step_done profile
 }
 step_chapters() {
+  # Chapter 08's serve on the GPU: every output of a batch (up to 64 sequences a step, so the fused products' tiles
+  # of 8 and the split decoding) checked against the request served alone; it exits 1 where one differs.
+  build/release/bin/08_paged_batching --backend cuda --experiment serve --requests 64 >"$out/serve_gpu.log" 2>&1
+  status=$?; check $status "chapter 08 serve"
+  echo "== chapter 08 serve on the GPU: exit $status"; tail -2 "$out/serve_gpu.log"
   build/release/bin/08_paged_batching --backend cuda --experiment throughput --csv "$out/batch_throughput_gpu.csv" \
     >"$out/batch_throughput_gpu.log" 2>&1
   status=$?; check $status "chapter 08 throughput"

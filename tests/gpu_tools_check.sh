@@ -19,7 +19,7 @@ grep -q "no step 'nonsense'" "$work/refused.log" || { echo "gpu_session.sh refus
 if (cd "$work" && mkdir empty && cd empty && bash "$root/tests/gpu_session.sh" "$work/failing" "" chapters) >"$work/failing.log" 2>&1; then
   echo "gpu_session.sh exited 0 after its runs failed"; cat "$work/failing.log"; exit 1
 fi
-grep -q "^FAILED, 6:" "$work/failing.log" || { echo "gpu_session.sh did not list its 6 failed runs"; cat "$work/failing.log"; exit 1; }
+grep -q "^FAILED, 7:" "$work/failing.log" || { echo "gpu_session.sh did not list its 7 failed runs"; cat "$work/failing.log"; exit 1; }
 grep -q "^  chapter 10 speed (exit 127)" "$work/failing.log" || { echo "gpu_session.sh did not name a failed run"; exit 1; }
 csv=$root/plots/data/gpu/breakdown_h100_synthetic_cuda_v6.csv
 mkdir "$work/out"
