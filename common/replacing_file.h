@@ -3,7 +3,8 @@
 // Whoever reads the target meanwhile - a process that has the old checkpoint mapped, a reader of the old
 // results - sees the old file or the new one, never a part of either (truncating in place would kill a
 // process mapping the file with SIGBUS). Without commit(), the temporary is removed and the target is
-// untouched. An interrupt (Ctrl-C) while it lives waits until it ends (interrupts.h): no temporary is left behind. The checkpoint writer and the CSV writer both write through it.
+// untouched. An interrupt (Ctrl-C) while it lives waits until it ends (interrupts.h): no temporary is left
+// behind. The checkpoint writer and the CSV writer both write through it.
 #include <cstddef>
 #include <string>
 

@@ -61,7 +61,6 @@ std::vector<float> all_logits(Model& model, KvCache& cache, const std::vector<in
   return out;
 }
 
-
 std::vector<int> random_tokens(int n, int vocab, unsigned seed) {
   std::mt19937 gen(seed);
   std::vector<int> tokens(n);

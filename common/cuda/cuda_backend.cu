@@ -563,9 +563,8 @@ struct DecodeChunks {
 // The chunks decoding cuts views into on this run: DecodeChunks' default, or KVS_DECODE_CHUNKS=SPLITS,ROWS where set
 // (at most SPLITS chunks, 1 to kMaxSplits, of ROWS rows or more, 1 to 65,536; a query's last chunk may be
 // shorter). Why a variable: how many blocks keep an H100's memory busy, against what the merge of more chunks
-// costs, is a GPU's measurement (at 512 positions chunks of 64 rows are 36 blocks of the synthetic model on 132
-// SMs; chunks of 16 rows, 132 to 136 blocks, made its step 11-13% shorter there: H100, 2026-11-27, book 07), and
-// tests/gpu_session.sh makes it with one build (its chunks step).
+// costs, is a GPU's measurement (DecodeChunks above says what was measured), and tests/gpu_session.sh makes it with
+// one build (its chunks step).
 DecodeChunks decode_chunks() {
   const char* value = std::getenv("KVS_DECODE_CHUNKS");
   if (!value) return {};
