@@ -387,14 +387,17 @@ TEST_CASE("cuda kernels: RoPE tables and rotations equal the CPU backend and the
 // Runs the backend's attention over `positions` rows (negative: an empty row holding NaN) for queries
 // at pos .. pos + n - 1 and compares with the reference.
 // rotate_at_read: keys and queries unrotated, attention rotates them (chapter 04's within-window RoPE).
+// Rows are kv_dim + stride_pad floats apart: 3 by default, so that the stride is honoured and a head starts off 16
+// bytes (a kernel cannot load it 16 bytes at a time); a multiple of 4 (0: the model's caches) puts every head on
+// 16 bytes, as the decoding kernel's 16-byte loads need (version 9, book 07).
 static void check_attention(Backend& b, std::mt19937& gen, const AttentionShape& shape,
                             const std::vector<int>& positions, bool explicit_positions, int first_position,
-                            Window window, int pos, int n, bool rotate_at_read = false) {
+                            Window window, int pos, int n, bool rotate_at_read = false, int stride_pad = 3) {
   CAPTURE(shape.n_heads); CAPTURE(shape.n_kv_heads); CAPTURE(shape.head_dim);
   CAPTURE(positions.size()); CAPTURE(pos); CAPTURE(n); CAPTURE(window.size); CAPTURE(window.sinks);
-  CAPTURE(rotate_at_read);
+  CAPTURE(rotate_at_read); CAPTURE(stride_pad);
   const int rows = static_cast<int>(positions.size()), kv_dim = shape.n_kv_heads * shape.head_dim;
-  const int stride = kv_dim + 3;  // rows further apart than their data: the stride is honoured
+  const int stride = kv_dim + stride_pad;
   const int dim = shape.n_heads * shape.head_dim;
   std::vector<float> keys = random_vector(std::size_t(rows) * stride, gen), values = random_vector(keys.size(), gen);
   // A row that no query of the call may see holds NaN - an empty row, or one hidden by the window from every
@@ -511,6 +514,22 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
     check_attention(b, gen, mha, consecutive(1100, 0), false, 0, Window{.size = 300, .sinks = 4}, 1099, 1);
     check_attention(b, gen, mqa, ring_of_600(), true, 0, Window{.size = 600, .sinks = 4}, 1000, 1);
     check_attention(b, gen, gqa, ring_of_600(), true, 0, Window{.size = 600, .sinks = 4}, 1000, 1, true);
+    // Heads on 16 bytes (rows kv_dim or kv_dim + 4 floats apart), where the decoding kernel's lanes may load their
+    // numbers side by side, 16 bytes at a time (8 for two numbers), each load all inside the head or not made -
+    // head_dim 36 (two numbers a lane, the last lane's the head's last two), 96 (four, lanes 24-31 idle), 128 (the
+    // synthetic model's), 132 (eight: lane 16's second load past the head) and 256; a ring with empty NaN slots, a
+    // window with sinks, a buffer unwritten (NaN) past the query, rounds of rows past a chunk's end (17, 130 rows).
+    const AttentionShape head36{4, 2, 36}, head128{16, 4, 128}, head132{4, 2, 132};
+    for (const AttentionShape& shape : {mha, group8, head36, gqa, head128, head132, mqa})
+      for (int pad : {0, 4}) {
+        check_attention(b, gen, shape, consecutive(17, 0), false, 0, {}, 16, 1, false, pad);
+        check_attention(b, gen, shape, consecutive(130, 0), false, 0, {}, 129, 1, false, pad);
+      }
+    for (const AttentionShape& shape : {head36, head128, head132}) {
+      check_attention(b, gen, shape, buffer, false, 0, {}, 700, 1, false, 0);
+      check_attention(b, gen, shape, consecutive(1100, 0), false, 0, Window{.size = 300, .sinks = 4}, 1099, 1, false, 0);
+      check_attention(b, gen, shape, ring_of_600(), true, 0, Window{.size = 600, .sinks = 4}, 1000, 1, false, 0);
+    }
   });
 }
 
