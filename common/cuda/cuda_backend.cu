@@ -48,6 +48,32 @@ __device__ float warp_sum(float v) {
   return v;
 }
 
+// Sums each of kValues values (a power of two) over the warp's 32 lanes, halving the values each lane keeps at
+// every step (a reduce-scatter): 31 shuffles for 32 values where a warp_sum each would take 160. Afterwards
+// lane l holds the sums of values l · kValues / 32 + i in values[i], i < max(1, kValues / 32) (for fewer than
+// 32 values, 32 / kValues lanes hold each sum).
+template <int kValues>
+__device__ void warp_sum_each(float (&values)[kValues]) {
+  const int lane = threadIdx.x % kWarp;
+  int count = kValues;
+  KVS_UNROLL
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    if (count == 1) {  // nothing left to halve: a plain sum
+      values[0] += __shfl_xor_sync(kFullMask, values[0], offset);
+      continue;
+    }
+    const int half = count / 2;
+    const bool upper = lane & offset;  // keeps the upper half of its values, sends its partner the lower
+    KVS_UNROLL
+    for (int i = 0; i < kValues / 2; ++i) {
+      if (i >= half) break;
+      const float send = upper ? values[i] : values[i + half], keep = upper ? values[i + half] : values[i];
+      values[i] = keep + __shfl_xor_sync(kFullMask, send, offset);
+    }
+    count = half;
+  }
+}
+
 // Sum of v over the block, in every thread. blockDim.x: a multiple of 32, at most 1024. Every thread of the
 // block must call it (it holds two barriers).
 __device__ float block_sum(float v) {
@@ -188,7 +214,8 @@ __global__ void rope_kernel(float* x, const float* table, int n, int heads, int 
 // what its written prefix costs - and stays the same view at every step (a recorded decode step relies on
 // that). A row that key_visible hides is skipped whole (its keys and values are never read, so an empty
 // slot's bytes, NaN included, cannot leak in). Within a row, lane l holds the elements l, l + 32, ... of
-// q, k, v (head_dim <= kMaxHeadDim). Two kernels use the pieces below:
+// q, k, v (head_dim <= kMaxHeadDim) - or, in the decoding kernel, lane l holds elements l · kElements, ...,
+// l · kElements + kElements - 1, side by side (lane_element). Two kernels use the pieces below:
 //   attention_kernel: one block per (query, head) visits all the query's rows (prefill; an observed step);
 //   attention_decode_kernel: decoding, one query ("flash-decoding"). One query
 //     has only n_heads blocks' worth of work, too few to keep a GPU's memory busy (16 blocks on 132 SMs read
@@ -202,15 +229,21 @@ constexpr int kMaxAttentionWarps = 16;
 constexpr int kMaxHeadDim = 256;
 constexpr int kPerLane = kMaxHeadDim / kWarp;
 
+// The element of a head that lane `lane` holds as its j-th of kElements: lane + 32 j (a warp's 32 lanes read 32
+// consecutive floats, one 4-byte load each), or, kSideBySide, lane · kElements + j (a lane's elements side by side,
+// so that it loads them 16 bytes at a time: the decoding kernel).
+template <int kElements, bool kSideBySide>
+__device__ __forceinline__ int lane_element(int lane, int j) { return kSideBySide ? lane * kElements + j : lane + j * kWarp; }
+
 // Lane `lane`'s elements of a query head (0 past head_dim), rotated by the query's rotary position when
 // the view rotates at read time (kv.read_rope, chapter 04; the table holds [cos, sin] per pair).
-template <int kElements>
+template <bool kSideBySide, int kElements>
 __device__ void load_query(float (&query)[kElements], const float* query_row, const KvView& kv, int query_pos,
                            int head_dim, int lane) {
   const int pairs = head_dim / 2;
   const float* cos_sin = kv.read_rope ? kv.read_rope + std::size_t(rotary_query_position(query_pos, kv.window)) * pairs * 2 : nullptr;
   for (int j = 0; j < kElements; ++j) {
-    const int d = lane + j * kWarp;
+    const int d = lane_element<kElements, kSideBySide>(lane, j);
     query[j] = d >= head_dim ? 0.0f
                : cos_sin     ? rope_rotated_element(query_row, d, cos_sin + (d / 2) * 2)
                              : query_row[d];
@@ -262,13 +295,13 @@ struct WarpPartials {
   float warp_total[kWarps][kHeads];
   float warp_values[kWarps][kHeads][kMaxHeadDim];
 
-  // Warp `warp`'s partial for head t (lane l holds elements l, l + 32, ... of its values); every lane calls it.
-  template <int kElements>
+  // Warp `warp`'s partial for head t (lane l holds elements lane_element(l, j) of its values); every lane calls it.
+  template <bool kSideBySide, int kElements>
   __device__ void store(int warp, int t, float max, float total, const float (&values)[kElements], int head_dim) {
     const int lane = threadIdx.x % kWarp;
     if (lane == 0) warp_max[warp][t] = max, warp_total[warp][t] = total;
     for (int j = 0; j < kElements; ++j) {
-      const int d = lane + j * kWarp;
+      const int d = lane_element<kElements, kSideBySide>(lane, j);
       if (d < head_dim) warp_values[warp][t][d] = values[j];
     }
   }
@@ -312,7 +345,7 @@ __device__ PartialSoftmax attend_rows(HeadPartials& parts, const float (&query)[
     }
     running_max = new_max;
   }
-  parts.store(warp, 0, running_max, total, values, head_dim);
+  parts.store<false>(warp, 0, running_max, total, values, head_dim);
   __syncthreads();
   return parts.merged(0, warps);
 }
@@ -332,7 +365,7 @@ __global__ void __launch_bounds__(kMaxAttentionWarps * kWarp)
   const int query_pos = positions[i], kv_offset = (h / group) * head_dim, dim = n_heads * head_dim;
   const int row_end = kv.rows_to_visit(query_pos);  // the rows past the query's own position are its future
   float query[kPerLane];
-  load_query(query, q + std::size_t(i) * dim + h * head_dim, kv, query_pos, head_dim, lane);
+  load_query<false>(query, q + std::size_t(i) * dim + h * head_dim, kv, query_pos, head_dim, lane);
   const PartialSoftmax block = attend_rows(parts, query, kv, 0, row_end, query_pos, kv_offset, head_dim);
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     // Nothing visible (only a deliberately broken cache gets here): 0, as the CPU backend.
@@ -501,17 +534,19 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
 // <= kMaxTile), over chunk s (a block past the chunks the query's rows make - the grid has the most chunks any
 // query of any of its views can make - leaves at once, and the merge reads the query's chunks alone: each sequence
 // gets the bits it gets alone). Warp w takes kRowsInFlight consecutive rows at a time (rows row_begin + (w + k ·
-// warps) · kRowsInFlight ...): it loads their keys and values first - independent loads, all in flight at once -
-// then scores them for each of its query heads and updates that head's online softmax. The block's warps merge
+// warps) · kRowsInFlight ...), a round: it loads their keys and values first - independent loads, all in flight at
+// once, and issued before the round ahead of them is used - then scores them for each of its query heads (the
+// round's sums across the warp reduced together) and updates that head's online softmax. The block's warps merge
 // through shared memory; in a grid of one chunk the block writes out (sequences, n_heads · head_dim) itself,
 // otherwise partials (sequences, n_heads, grid's splits, 2 + head_dim) = [max, total, Σ exp(score - max) · v],
 // unnormalised, a chunk with nothing visible writing max -inf, and the last of a (KV head, tile, sequence)'s blocks
 // to finish merges them (merge_partials), counting arrivals in arrivals (sequences, n_kv_heads · tiles), zero
-// before the launch and after it. Lane l holds elements l, l + 32, ... < 32 · kElements of a row (kElements = 1,
-// 2, 4, 8 for head_dim up to 32, 64, 128, 256: registers for what the head needs, not for the largest head).
-// kPlainRows: every view of the launch stores float rows (contiguous or paged; not chapter 10's codes) rotated
-// before they were cached (not chapter 04's read-time rotation), read with plain loads from each row's start;
-// otherwise each number goes through KvView::key and value, and key_element's rotation. Grid (n_kv_heads · tiles,
+// before the launch and after it. Lane l holds elements l · kElements ... l · kElements + kElements - 1 of a row,
+// side by side (kElements = 1, 2, 4, 8 for head_dim up to 32, 64, 128, 256: registers for what the head needs, not
+// for the largest head). kPlainRows: every view of the launch stores float rows (contiguous or paged; not chapter
+// 10's codes) rotated before they were cached (not chapter 04's read-time rotation), each head on 16 bytes where
+// kElements > 1 (aligned_heads), read with 16-byte loads from each row's start (load_lane); otherwise each number
+// goes through KvView::key and value, and key_element's rotation. Grid (n_kv_heads · tiles,
 // grid's splits, sequences), block kDecodeWarps · 32.
 constexpr int kMaxTile = 4;
 constexpr int kRowsInFlight = 4;
@@ -630,6 +665,28 @@ __device__ void merge_partials(float* out, const float* head, int splits, int he
     if (lane + j * kWarp < head_dim) out[lane + j * kWarp] = normalised(o[j], total);
 }
 
+// Lane `lane`'s kElements numbers of one head of a float row (`head`: its first number), side by side
+// (lane_element): 16-byte loads (one of 8 bytes for kElements = 2; a float for 1), each of numbers all inside the
+// head or all past it (those not loaded: 0), and none at all where !load. Where kElements > 1 the host sees to it
+// that every head starts on 16 bytes and head_dim is a multiple of 4 (aligned_heads).
+template <int kElements>
+__device__ void load_lane(float (&out)[kElements], const float* head, int lane, int head_dim, bool load) {
+  const int first = lane * kElements;
+  if constexpr (kElements == 1) {
+    out[0] = load && first < head_dim ? head[first] : 0.0f;
+  } else if constexpr (kElements == 2) {
+    const float2 v = load && first < head_dim ? *reinterpret_cast<const float2*>(head + first) : float2{0.0f, 0.0f};
+    out[0] = v.x, out[1] = v.y;
+  } else {
+    KVS_UNROLL
+    for (int c = 0; c < kElements; c += 4) {
+      const float4 v = load && first + c < head_dim ? *reinterpret_cast<const float4*>(head + first + c)
+                                                    : float4{0.0f, 0.0f, 0.0f, 0.0f};
+      out[c] = v.x, out[c + 1] = v.y, out[c + 2] = v.z, out[c + 3] = v.w;
+    }
+  }
+}
+
 template <int kElements, int kViews, bool kPlainRows>
 __global__ void __launch_bounds__(kDecodeWarps * kWarp)
     attention_decode_kernel(float* out, float* partials, unsigned* arrivals, const float* q, const int* positions,
@@ -660,45 +717,79 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   float query[kMaxTile][kElements], values[kMaxTile][kElements], running_max[kMaxTile], total[kMaxTile];
   KVS_UNROLL
   for (int t = 0; t < kMaxTile; ++t) {
+    for (int j = 0; j < kElements; ++j) query[t][j] = 0.0f, values[t][j] = 0.0f;  // a head past the tile: zeros
     if (t < tile)
-      load_query(query[t], q + (std::size_t(sequence) * n_heads + first_head + t) * head_dim, kv, query_pos, head_dim, lane);
-    for (int j = 0; j < kElements; ++j) values[t][j] = 0.0f;
+      load_query<true>(query[t], q + (std::size_t(sequence) * n_heads + first_head + t) * head_dim, kv, query_pos,
+                       head_dim, lane);
     running_max[t] = -INFINITY, total[t] = 0.0f;
   }
-  for (int first = row_begin + warp * kRowsInFlight; first < row_end; first += kDecodeWarps * kRowsInFlight) {
+  // A round: the kRowsInFlight rows of a warp from `first` - their keys and values (0 for a row that is not read),
+  // and whether each is visible (the same in every lane).
+  struct Round {
     float key[kRowsInFlight][kElements], value[kRowsInFlight][kElements];
     bool visible[kRowsInFlight];
+  };
+  auto load_round = [&](int first, Round& round) {
     KVS_UNROLL
     for (int i = 0; i < kRowsInFlight; ++i) {
       // A row past the chunk looks up the chunk's last row instead (its position, its place in a paged view's
       // table), so that nothing below reads past a row table; its numbers are never loaded.
       const int r = first + i, row = r < row_end ? r : row_end - 1, key_pos = kv.position_of(row);
-      visible[i] = r < row_end && key_visible(query_pos, key_pos, kv.window);  // the same in every lane
-      // Plain rows (kPlainRows): the row's start found once (a paged view's table read once), then loads with
-      // nothing between them but their condition. KvView::key's checks at every number (coded? paged?) cost 238
-      // registers against 107 and kept the loads from being in flight together: the synthetic model's attention
-      // ran at 214 GB/s (H100, 2026-11-26); the read-time rotation's test put each load behind a branch too.
-      const std::size_t start = kPlainRows ? kv.row_offset(row) + kv_offset : 0;
-      for (int j = 0; j < kElements; ++j) {
-        const int d = lane + j * kWarp;
-        const bool load = visible[i] && d < head_dim;  // a hidden row is never read: its bytes may be NaN
-        if constexpr (kPlainRows) {
-          key[i][j] = load ? kv.keys[start + d] : 0.0f;
-          value[i][j] = load ? kv.values[start + d] : 0.0f;
-        } else {
-          key[i][j] = load ? key_element(kv, r, key_pos, query_pos, kv_offset, d, head_dim) : 0.0f;
-          value[i][j] = load ? kv.value(r, kv_offset + d) : 0.0f;
+      const bool visible = r < row_end && key_visible(query_pos, key_pos, kv.window);
+      round.visible[i] = visible;
+      if constexpr (kPlainRows) {
+        // Plain rows: the row's start found once (a paged view's table read once), then the lane's numbers in
+        // 16-byte loads with nothing between them but their condition. KvView::key's checks at every number
+        // (coded? paged?) cost 238 registers against 107 and kept the loads from being in flight together: the
+        // synthetic model's attention ran at 214 GB/s (H100, 2026-11-26); the read-time rotation's test put each
+        // load behind a branch too.
+        const std::size_t start = kv.row_offset(row) + kv_offset;
+        load_lane(round.key[i], kv.keys + start, lane, head_dim, visible);  // a hidden row is never read: it may be NaN
+        load_lane(round.value[i], kv.values + start, lane, head_dim, visible);
+      } else {
+        for (int j = 0; j < kElements; ++j) {
+          const int d = lane_element<kElements, true>(lane, j);
+          const bool load = visible && d < head_dim;
+          round.key[i][j] = load ? key_element(kv, r, key_pos, query_pos, kv_offset, d, head_dim) : 0.0f;
+          round.value[i][j] = load ? kv.value(r, kv_offset + d) : 0.0f;
         }
       }
     }
+  };
+  // The round's dot products, every head of the tile with every row: kScores sums across the warp.
+  constexpr int kScores = kMaxTile * kRowsInFlight;
+  static_assert(kScores <= kWarp && (kScores & (kScores - 1)) == 0, "warp_sum_each: a power of two, a lane each");
+  const int first_row = row_begin + warp * kRowsInFlight;
+  Round next;
+  if (first_row < row_end) load_round(first_row, next);
+  for (int first = first_row; first < row_end; first += kRowsPerRound) {
+    const Round round = next;
+    // The next round's loads go out before this round's arithmetic, so that they are in flight while it runs:
+    // loads, then their use, a round at a time, left each warp waiting out a memory latency per round (version 7:
+    // 36% of attention's warps waiting on memory, book 07).
+    if (first + kRowsPerRound < row_end) load_round(first + kRowsPerRound, next);
+    float dots[kScores];  // dots[t · kRowsInFlight + i]: head t, row i; this lane's share
+    KVS_UNROLL
+    for (int t = 0; t < kMaxTile; ++t)
+      KVS_UNROLL
+      for (int i = 0; i < kRowsInFlight; ++i) {
+        float dot = 0.0f;
+        KVS_UNROLL
+        for (int j = 0; j < kElements; ++j) dot += query[t][j] * round.key[i][j];
+        dots[t * kRowsInFlight + i] = dot;
+      }
+    // All of them summed across the warp together (a reduce-scatter: 16 shuffles for 16 sums, where a warp_sum each
+    // took 80, shuffles being 16% of attention's stalls in version 7), the sum of dots[v] then in lane v · 32 / kScores,
+    // from where each head takes it below (one shuffle a sum).
+    warp_sum_each(dots);
     KVS_UNROLL
     for (int t = 0; t < kMaxTile; ++t) {
       if (t >= tile) break;
       float score[kRowsInFlight], new_max = running_max[t];
+      KVS_UNROLL
       for (int i = 0; i < kRowsInFlight; ++i) {
-        float dot = 0.0f;
-        for (int j = 0; j < kElements; ++j) dot += query[t][j] * key[i][j];
-        score[i] = visible[i] ? warp_sum(dot) * scale : -INFINITY;
+        const float dot = __shfl_sync(kFullMask, dots[0], (t * kRowsInFlight + i) * (kWarp / kScores));
+        score[i] = round.visible[i] ? dot * scale : -INFINITY;
         new_max = max_keeping_nan(new_max, score[i]);
       }
       if (new_max == -INFINITY) continue;  // nothing visible yet (the same in every lane)
@@ -708,7 +799,7 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
       for (int i = 0; i < kRowsInFlight; ++i) {
         const float weight = expf(score[i] - new_max);  // 0 for a hidden row, whose value is 0 too
         total[t] += weight;
-        for (int j = 0; j < kElements; ++j) values[t][j] += weight * value[i][j];
+        for (int j = 0; j < kElements; ++j) values[t][j] += weight * round.value[i][j];
       }
       running_max[t] = new_max;
     }
@@ -716,7 +807,7 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   KVS_UNROLL
   for (int t = 0; t < kMaxTile; ++t) {
     if (t >= tile) break;
-    parts.store(warp, t, running_max[t], total[t], values[t], head_dim);
+    parts.store<true>(warp, t, running_max[t], total[t], values[t], head_dim);
   }
   __syncthreads();
   KVS_UNROLL
@@ -859,32 +950,6 @@ __device__ void find_row(const GemvArgs& a, int row, GemvProduct& product, int& 
   for (int p = 1; p < kGemvMaxProducts; ++p)
     if (p < a.count && row >= a.products[p].first_row) product = a.products[p];
   local = row - product.first_row;
-}
-
-// Sums each of kValues values (a power of two) over the warp's 32 lanes, halving the values each lane keeps at
-// every step (a reduce-scatter): 31 shuffles for 32 values where a warp_sum each would take 160. Afterwards
-// lane l holds the sums of values l · kValues / 32 + i in values[i], i < max(1, kValues / 32) (for fewer than
-// 32 values, 32 / kValues lanes hold each sum).
-template <int kValues>
-__device__ void warp_sum_each(float (&values)[kValues]) {
-  const int lane = threadIdx.x % kWarp;
-  int count = kValues;
-  KVS_UNROLL
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    if (count == 1) {  // nothing left to halve: a plain sum
-      values[0] += __shfl_xor_sync(kFullMask, values[0], offset);
-      continue;
-    }
-    const int half = count / 2;
-    const bool upper = lane & offset;  // keeps the upper half of its values, sends its partner the lower
-    KVS_UNROLL
-    for (int i = 0; i < kValues / 2; ++i) {
-      if (i >= half) break;
-      const float send = upper ? values[i] : values[i + half], keep = upper ? values[i + half] : values[i];
-      values[i] = keep + __shfl_xor_sync(kFullMask, send, offset);
-    }
-    count = half;
-  }
 }
 
 // Warp 0's lanes hold the block's sums (warp_sum_each): into totals (kValues).
@@ -1305,8 +1370,12 @@ class CudaBackend final : public Backend {
                                   std::to_string(sequences) + " sequences in one decoding launch; the CUDA backend "
                                   "merges split chunks for at most " + std::to_string(kArrivalCounters) +
                                   " (query heads / " + std::to_string(tile) + " x sequences): decode fewer sequences at once");
-    bool plain_rows = true;  // every view's rows are floats as the model stored them (kPlainRows)
-    for (int z = 0; z < sequences; ++z) plain_rows = plain_rows && !views.view[z].coded() && !views.view[z].read_rope;
+    const int per_lane = shape.head_dim <= kWarp ? 1 : shape.head_dim <= 2 * kWarp ? 2 : shape.head_dim <= 4 * kWarp ? 4 : 8;
+    bool plain_rows = true;  // every view's rows are floats as the model stored them, loaded 16 bytes at a time (kPlainRows)
+    for (int z = 0; z < sequences; ++z) {
+      const KvView& v = views.view[z];
+      plain_rows = plain_rows && !v.coded() && !v.read_rope && (per_lane == 1 || aligned_heads(v, shape.head_dim));
+    }
 #define KVS_DECODE(elements, plain)                                                                              \
   KVS_LAUNCH((attention_decode_kernel<elements, kViews, plain>), grid, block, 0, queue_, out, partials, arrivals_, \
              q, positions, views, chunks_, shape.n_heads, group, tile, shape.head_dim)
@@ -1315,9 +1384,9 @@ class CudaBackend final : public Backend {
     if (plain_rows) KVS_DECODE(elements, true);                       \
     else KVS_DECODE(elements, false);                                 \
   } while (0)
-    if (shape.head_dim <= kWarp) KVS_DECODE_ROWS(1);
-    else if (shape.head_dim <= 2 * kWarp) KVS_DECODE_ROWS(2);
-    else if (shape.head_dim <= 4 * kWarp) KVS_DECODE_ROWS(4);
+    if (per_lane == 1) KVS_DECODE_ROWS(1);
+    else if (per_lane == 2) KVS_DECODE_ROWS(2);
+    else if (per_lane == 4) KVS_DECODE_ROWS(4);
     else KVS_DECODE_ROWS(8);
 #undef KVS_DECODE_ROWS
 #undef KVS_DECODE
@@ -1442,6 +1511,12 @@ class CudaBackend final : public Backend {
     else KVS_LAUNCH((gemv_kernel<kGemvTokens, kWidth, kStore>), grid, block, 0, queue_, a);
   }
   static bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+  // Every head of every row of a float view starts on 16 bytes (the decoding kernel's 16-byte loads): the model's
+  // caches do (backend memory, rows and heads multiples of 4 floats); a view that does not takes the kernel's path
+  // a number at a time.
+  static bool aligned_heads(const KvView& v, int head_dim) {
+    return head_dim % 4 == 0 && v.row_stride % 4 == 0 && aligned16(v.keys) && aligned16(v.values);
+  }
 
   void* allocate_bytes(std::size_t bytes) {
     void* p = nullptr;

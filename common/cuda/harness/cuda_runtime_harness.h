@@ -76,9 +76,12 @@
 struct uint3 {
   unsigned x = 0, y = 0, z = 0;
 };
-// CUDA's 16-byte vector (a kernel's widest load is one of these, from a 16-byte aligned address).
+// CUDA's 16-byte vector (a kernel's widest load is one of these, from a 16-byte aligned address), and its 8-byte one.
 struct alignas(16) float4 {
   float x, y, z, w;
+};
+struct alignas(8) float2 {
+  float x, y;
 };
 struct dim3 {
   unsigned x, y, z;
