@@ -84,48 +84,51 @@ TEST_CASE("block table: each position's physical row and each run's end, by brut
 // Paged views of `rows` positions, blocks shuffled, NaN in every row no position holds (the tail of the last
 // block, the two spare blocks); attention over them against the reference, decode and prefill, every backend.
 TEST_CASE("paged attention: equals the reference attention over the same view, NaN in unused rows, every backend") {
-  const AttentionShape shape{4, 2, 8};
-  const int kv_dim = shape.n_kv_heads * shape.head_dim;
   test::for_each_backend(test::test_backend_names(), [&](Backend& backend) {
     std::mt19937 gen(11);
     std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (int block_size : {1, 3, 16})
-      for (int rows : {block_size * 4, block_size * 4 + 1, 37}) {
-        CAPTURE(block_size);
-        CAPTURE(rows);
-        const std::vector<int> blocks = shuffled_blocks(rows, block_size, gen);
-        const int pool_rows = (blocks_needed(rows, block_size) + 2) * block_size;
-        std::vector<float> keys(std::size_t(pool_rows) * kv_dim, NAN), values(keys.size(), NAN);
-        const BlockTable host_table{blocks.data(), block_size};
-        for (int p = 0; p < rows; ++p)
-          for (int j = 0; j < kv_dim; ++j) {
-            keys[std::size_t(host_table.physical_row(p)) * kv_dim + j] = normal(gen);
-            values[std::size_t(host_table.physical_row(p)) * kv_dim + j] = normal(gen);
+    // head_dim 8, and 128: a paged view whose heads are on 16 bytes, read 16 bytes a lane by the CUDA decoding kernel
+    for (const AttentionShape shape : {AttentionShape{4, 2, 8}, AttentionShape{4, 2, 128}}) {
+      for (int block_size : {1, 3, 16})
+        for (int rows : {block_size * 4, block_size * 4 + 1, 37}) {
+          CAPTURE(shape.head_dim);
+          CAPTURE(block_size);
+          CAPTURE(rows);
+          const int kv_dim = shape.n_kv_heads * shape.head_dim;
+          const std::vector<int> blocks = shuffled_blocks(rows, block_size, gen);
+          const int pool_rows = (blocks_needed(rows, block_size) + 2) * block_size;
+          std::vector<float> keys(std::size_t(pool_rows) * kv_dim, NAN), values(keys.size(), NAN);
+          const BlockTable host_table{blocks.data(), block_size};
+          for (int p = 0; p < rows; ++p)
+            for (int j = 0; j < kv_dim; ++j) {
+              keys[std::size_t(host_table.physical_row(p)) * kv_dim + j] = normal(gen);
+              values[std::size_t(host_table.physical_row(p)) * kv_dim + j] = normal(gen);
+            }
+          const Buffer d_keys = test::to_backend(backend, keys), d_values = test::to_backend(backend, values);
+          IntBuffer d_blocks(backend, blocks.size());
+          backend.from_host(d_blocks.data(), blocks.data(), blocks.size());
+          const KvView view{.keys = d_keys.data(), .values = d_values.data(), .rows = rows, .row_stride = kv_dim,
+                            .paged = BlockTable{d_blocks.data(), block_size}};
+          const KvView host_view{.keys = keys.data(), .values = values.data(), .rows = rows, .row_stride = kv_dim,
+                                 .paged = host_table};
+          for (int n : {1, std::min(5, rows)}) {  // a decode step at the last position; a prefill chunk ending there
+            CAPTURE(n);
+            const int pos = rows - n;  // (5 queries over 4 rows put one at position -1: nothing to see, 0 == 0 checked)
+            std::vector<float> q(std::size_t(n) * shape.n_heads * shape.head_dim);
+            for (float& x : q) x = normal(gen);
+            std::vector<float> expected(q.size());
+            reference_attention(expected.data(), q.data(), pos, n, host_view, shape);
+            const Buffer d_q = test::to_backend(backend, q);
+            Buffer d_out(backend, q.size()), scratch(backend, backend.attention_scratch_floats(shape, rows, 1));
+            const IntBuffer positions = consecutive_positions(backend, pos, n);
+            backend.attention(d_out.data(), d_q.data(), positions.data(), n, view, shape, {scratch.data(), scratch.size()}, nullptr);
+            const std::vector<float> out = test::from_backend(backend, d_out);
+            float worst = 0;
+            for (std::size_t i = 0; i < out.size(); ++i) worst = std::isfinite(out[i]) ? std::max(worst, std::abs(out[i] - expected[i])) : INFINITY;
+            CHECK(worst < 1e-5f);  // float sums against the reference's doubles over <= 65 rows of head_dim <= 128
           }
-        const Buffer d_keys = test::to_backend(backend, keys), d_values = test::to_backend(backend, values);
-        IntBuffer d_blocks(backend, blocks.size());
-        backend.from_host(d_blocks.data(), blocks.data(), blocks.size());
-        const KvView view{.keys = d_keys.data(), .values = d_values.data(), .rows = rows, .row_stride = kv_dim,
-                          .paged = BlockTable{d_blocks.data(), block_size}};
-        const KvView host_view{.keys = keys.data(), .values = values.data(), .rows = rows, .row_stride = kv_dim,
-                               .paged = host_table};
-        for (int n : {1, std::min(5, rows)}) {  // a decode step at the last position; a prefill chunk ending there
-          CAPTURE(n);
-          const int pos = rows - n;  // (5 queries over 4 rows put one at position -1: nothing to see, 0 == 0 checked)
-          std::vector<float> q(std::size_t(n) * shape.n_heads * shape.head_dim);
-          for (float& x : q) x = normal(gen);
-          std::vector<float> expected(q.size());
-          reference_attention(expected.data(), q.data(), pos, n, host_view, shape);
-          const Buffer d_q = test::to_backend(backend, q);
-          Buffer d_out(backend, q.size()), scratch(backend, backend.attention_scratch_floats(shape, rows, 1));
-          const IntBuffer positions = consecutive_positions(backend, pos, n);
-          backend.attention(d_out.data(), d_q.data(), positions.data(), n, view, shape, {scratch.data(), scratch.size()}, nullptr);
-          const std::vector<float> out = test::from_backend(backend, d_out);
-          float worst = 0;
-          for (std::size_t i = 0; i < out.size(); ++i) worst = std::isfinite(out[i]) ? std::max(worst, std::abs(out[i] - expected[i])) : INFINITY;
-          CHECK(worst < 1e-5f);  // float sums against the reference's doubles over <= 65 rows of head_dim 8
         }
-      }
+    }
   });
 }
 

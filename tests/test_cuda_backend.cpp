@@ -525,6 +525,8 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
         check_attention(b, gen, shape, consecutive(17, 0), false, 0, {}, 16, 1, false, pad);
         check_attention(b, gen, shape, consecutive(130, 0), false, 0, {}, 129, 1, false, pad);
       }
+    // 4,200 rows: 64 chunks of 66 rows, 5 rounds a warp, each one's loads issued during the round before.
+    check_attention(b, gen, head128, consecutive(4200, 0), false, 0, {}, 4199, 1, false, 0);
     for (const AttentionShape& shape : {head36, head128, head132}) {
       check_attention(b, gen, shape, buffer, false, 0, {}, 700, 1, false, 0);
       check_attention(b, gen, shape, consecutive(1100, 0), false, 0, Window{.size = 300, .sinks = 4}, 1099, 1, false, 0);
@@ -542,7 +544,7 @@ TEST_CASE("cuda kernels: attention equals the plain-loop reference on every kind
 TEST_CASE("cuda kernels: decoding cut into other chunks (KVS_DECODE_CHUNKS) equals the reference, and bad values are refused") {
   const test::UnsetAtExit unset{"KVS_DECODE_CHUNKS"};
   std::mt19937 gen(11);
-  const AttentionShape mha{4, 4, 32}, gqa{6, 2, 96}, group8{8, 1, 64};
+  const AttentionShape mha{4, 4, 32}, gqa{6, 2, 96}, group8{8, 1, 64}, head36{4, 2, 36}, head128{16, 4, 128};
   std::vector<int> buffer = consecutive(1100, 0);
   std::fill(buffer.begin() + 701, buffer.end(), -1);
   for (const std::string chunks : {"256,1", "128,16", "7,5", "1,1"}) {
@@ -553,6 +555,9 @@ TEST_CASE("cuda kernels: decoding cut into other chunks (KVS_DECODE_CHUNKS) equa
       check_attention(b, gen, group8, consecutive(256, 0), false, 0, {}, 255, 1);
       check_attention(b, gen, mha, consecutive(1100, 0), false, 0, Window{.size = 300, .sinks = 4}, 1099, 1);
       check_attention(b, gen, gqa, ring_of_600(), true, 0, Window{.size = 600, .sinks = 4}, 1000, 1, true);
+      // Heads on 16 bytes (16-byte loads), cut into chunks of many rounds a warp (1,1: one chunk of 701 rows).
+      check_attention(b, gen, head128, buffer, false, 0, {}, 700, 1, false, 0);
+      check_attention(b, gen, head36, consecutive(1100, 0), false, 0, Window{.size = 300, .sinks = 4}, 1099, 1, false, 0);
     });
   }
   for (const std::string& name : kernel_backends()) {

@@ -214,7 +214,7 @@ __global__ void rope_kernel(float* x, const float* table, int n, int heads, int 
 // what its written prefix costs - and stays the same view at every step (a recorded decode step relies on
 // that). A row that key_visible hides is skipped whole (its keys and values are never read, so an empty
 // slot's bytes, NaN included, cannot leak in). Within a row, lane l holds the elements l, l + 32, ... of
-// q, k, v (head_dim <= kMaxHeadDim) - or, in the decoding kernel, lane l holds elements l · kElements, ...,
+// q, k, v (head_dim <= kMaxHeadDim) - or, in the decoding kernel over plain rows, elements l · kElements, ...,
 // l · kElements + kElements - 1, side by side (lane_element). Two kernels use the pieces below:
 //   attention_kernel: one block per (query, head) visits all the query's rows (prefill; an observed step);
 //   attention_decode_kernel: decoding, one query ("flash-decoding"). One query
@@ -231,7 +231,7 @@ constexpr int kPerLane = kMaxHeadDim / kWarp;
 
 // The element of a head that lane `lane` holds as its j-th of kElements: lane + 32 j (a warp's 32 lanes read 32
 // consecutive floats, one 4-byte load each), or, kSideBySide, lane · kElements + j (a lane's elements side by side,
-// so that it loads them 16 bytes at a time: the decoding kernel).
+// so that it loads them 16 bytes at a time: the decoding kernel over plain rows).
 template <int kElements, bool kSideBySide>
 __device__ __forceinline__ int lane_element(int lane, int j) { return kSideBySide ? lane * kElements + j : lane + j * kWarp; }
 
@@ -541,13 +541,14 @@ __global__ void __launch_bounds__(kTileSide * kTileSide)
 // otherwise partials (sequences, n_heads, grid's splits, 2 + head_dim) = [max, total, Σ exp(score - max) · v],
 // unnormalised, a chunk with nothing visible writing max -inf, and the last of a (KV head, tile, sequence)'s blocks
 // to finish merges them (merge_partials), counting arrivals in arrivals (sequences, n_kv_heads · tiles), zero
-// before the launch and after it. Lane l holds elements l · kElements ... l · kElements + kElements - 1 of a row,
-// side by side (kElements = 1, 2, 4, 8 for head_dim up to 32, 64, 128, 256: registers for what the head needs, not
-// for the largest head). kPlainRows: every view of the launch stores float rows (contiguous or paged; not chapter
-// 10's codes) rotated before they were cached (not chapter 04's read-time rotation), each head on 16 bytes where
-// kElements > 1 (aligned_heads), read with 16-byte loads from each row's start (load_lane); otherwise each number
-// goes through KvView::key and value, and key_element's rotation. Grid (n_kv_heads · tiles,
-// grid's splits, sequences), block kDecodeWarps · 32.
+// before the launch and after it. Lane l holds kElements elements of a row (kElements = 1, 2, 4, 8 for head_dim up
+// to 32, 64, 128, 256: registers for what the head needs, not for the largest head). kPlainRows: every view of the
+// launch stores float rows (contiguous or paged; not chapter 10's codes) rotated before they were cached (not
+// chapter 04's read-time rotation), each head on 16 bytes where kElements > 1 (aligned_heads); lane l holds elements
+// l · kElements ... l · kElements + kElements - 1, side by side, read with 16-byte loads from each row's start
+// (load_lane). Otherwise lane l holds l, l + 32, ... (a warp's load of one number from each lane, 128 consecutive
+// bytes of floats) and each number goes through KvView::key and value, and key_element's rotation.
+// Grid (n_kv_heads · tiles, grid's splits, sequences), block kDecodeWarps · 32.
 constexpr int kMaxTile = 4;
 constexpr int kRowsInFlight = 4;
 constexpr int kDecodeWarps = 4;
@@ -629,8 +630,8 @@ struct DecodeViews {
 // each rescaled by exp(its max - the largest max), summed, divided by the summed totals (0 where no row was
 // visible, as attention_kernel). A chunk with nothing visible (max -inf, total 0, values 0) gets weight 0 and
 // adds exactly 0. The lanes share out the chunks to find the largest max and each chunk's weight (into `weight`,
-// shared memory), then each lane adds the chunks' values of its elements (lane + 32 j, as the decoding kernel
-// holds them), chunk after chunk, the same order in every launch (a batch's sequence gets its bits alone).
+// shared memory), then each lane adds the chunks' values of its elements (lane + 32 j: a warp's loads of a partial
+// 128 consecutive bytes each), chunk after chunk, the same order in every launch (a batch's sequence gets its bits alone).
 // Eight chunks' loads are issued before any is added (KVS_UNROLL_8, loads that no branch guards): a chunk at a
 // time waited out a load from L2 per chunk - 64 of them at the end of every layer's launch at 4,096 positions.
 // `head` was written by other blocks of the same launch: plain loads, never __ldg or a __restrict__ on it (the
@@ -719,8 +720,8 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   for (int t = 0; t < kMaxTile; ++t) {
     for (int j = 0; j < kElements; ++j) query[t][j] = 0.0f, values[t][j] = 0.0f;  // a head past the tile: zeros
     if (t < tile)
-      load_query<true>(query[t], q + (std::size_t(sequence) * n_heads + first_head + t) * head_dim, kv, query_pos,
-                       head_dim, lane);
+      load_query<kPlainRows>(query[t], q + (std::size_t(sequence) * n_heads + first_head + t) * head_dim, kv,
+                             query_pos, head_dim, lane);
     running_max[t] = -INFINITY, total[t] = 0.0f;
   }
   // A round: the kRowsInFlight rows of a warp from `first` - their keys and values (0 for a row that is not read),
@@ -748,7 +749,7 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
         load_lane(round.value[i], kv.values + start, lane, head_dim, visible);
       } else {
         for (int j = 0; j < kElements; ++j) {
-          const int d = lane_element<kElements, true>(lane, j);
+          const int d = lane_element<kElements, false>(lane, j);
           const bool load = visible && d < head_dim;
           round.key[i][j] = load ? key_element(kv, r, key_pos, query_pos, kv_offset, d, head_dim) : 0.0f;
           round.value[i][j] = load ? kv.value(r, kv_offset + d) : 0.0f;
@@ -779,8 +780,10 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
         dots[t * kRowsInFlight + i] = dot;
       }
     // All of them summed across the warp together (a reduce-scatter: 16 shuffles for 16 sums, where a warp_sum each
-    // took 80, shuffles being 16% of attention's stalls in version 7), the sum of dots[v] then in lane v · 32 / kScores,
-    // from where each head takes it below (one shuffle a sum).
+    // took 5 per head and row, 80 for a tile of 4 heads; shuffles and exponentials held 16% of attention's warps in
+    // version 7), the sum of dots[v] then in lane v · 32 / kScores, from where each head of the tile takes its own
+    // (one shuffle a sum: 16 + 4 · tile shuffles a round, where there were 20 · tile). A head past the tile has a zero
+    // query: its sums are made, never used.
     warp_sum_each(dots);
     KVS_UNROLL
     for (int t = 0; t < kMaxTile; ++t) {
@@ -807,7 +810,7 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
   KVS_UNROLL
   for (int t = 0; t < kMaxTile; ++t) {
     if (t >= tile) break;
-    parts.store<true>(warp, t, running_max[t], total[t], values[t], head_dim);
+    parts.store<kPlainRows>(warp, t, running_max[t], total[t], values[t], head_dim);
   }
   __syncthreads();
   KVS_UNROLL
@@ -1512,8 +1515,9 @@ class CudaBackend final : public Backend {
   }
   static bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
   // Every head of every row of a float view starts on 16 bytes (the decoding kernel's 16-byte loads): the model's
-  // caches do (backend memory, rows and heads multiples of 4 floats); a view that does not takes the kernel's path
-  // a number at a time.
+  // caches do (backend memory, rows and heads multiples of 4 floats). A view that does not (head_dim or row_stride
+  // not a multiple of 4, rows not on 16 bytes) takes the kernel's other path, each number through KvView::key as a
+  // coded view's: correct, slower (book 07), and only the tests' views so far.
   static bool aligned_heads(const KvView& v, int head_dim) {
     return head_dim % 4 == 0 && v.row_stride % 4 == 0 && aligned16(v.keys) && aligned16(v.values);
   }
