@@ -74,6 +74,27 @@ __device__ void warp_sum_each(float (&values)[kValues]) {
   }
 }
 
+template <int kWidth>
+struct Floats {
+  float v[kWidth];
+};
+// kWidth floats from p in one load where kWidth is 4 (p on 16 bytes) or 2 (p on 8 bytes), one at a time otherwise:
+// the products' weight loads and the decoding kernel's row loads.
+template <int kWidth>
+__device__ Floats<kWidth> load_floats(const float* p) {
+  Floats<kWidth> f;
+  if constexpr (kWidth == 4) {
+    const float4 q = *reinterpret_cast<const float4*>(p);
+    f.v[0] = q.x, f.v[1] = q.y, f.v[2] = q.z, f.v[3] = q.w;
+  } else if constexpr (kWidth == 2) {
+    const float2 q = *reinterpret_cast<const float2*>(p);
+    f.v[0] = q.x, f.v[1] = q.y;
+  } else {
+    for (int k = 0; k < kWidth; ++k) f.v[k] = p[k];
+  }
+  return f;
+}
+
 // Sum of v over the block, in every thread. blockDim.x: a multiple of 32, at most 1024. Every thread of the
 // block must call it (it holds two barriers).
 __device__ float block_sum(float v) {
@@ -672,19 +693,12 @@ __device__ void merge_partials(float* out, const float* head, int splits, int he
 // that every head starts on 16 bytes and head_dim is a multiple of 4 (aligned_heads).
 template <int kElements>
 __device__ void load_lane(float (&out)[kElements], const float* head, int lane, int head_dim, bool load) {
+  constexpr int kLoad = kElements < 4 ? kElements : 4;  // the numbers one load takes
   const int first = lane * kElements;
-  if constexpr (kElements == 1) {
-    out[0] = load && first < head_dim ? head[first] : 0.0f;
-  } else if constexpr (kElements == 2) {
-    const float2 v = load && first < head_dim ? *reinterpret_cast<const float2*>(head + first) : float2{0.0f, 0.0f};
-    out[0] = v.x, out[1] = v.y;
-  } else {
-    KVS_UNROLL
-    for (int c = 0; c < kElements; c += 4) {
-      const float4 v = load && first + c < head_dim ? *reinterpret_cast<const float4*>(head + first + c)
-                                                    : float4{0.0f, 0.0f, 0.0f, 0.0f};
-      out[c] = v.x, out[c + 1] = v.y, out[c + 2] = v.z, out[c + 3] = v.w;
-    }
+  KVS_UNROLL
+  for (int c = 0; c < kElements; c += kLoad) {
+    const Floats<kLoad> v = load && first + c < head_dim ? load_floats<kLoad>(head + first + c) : Floats<kLoad>{};
+    for (int k = 0; k < kLoad; ++k) out[c + k] = v.v[k];
   }
 }
 
@@ -928,23 +942,6 @@ struct GemvArgs {
   int n = 0, d_in = 0, head_dim = 0;
   const int* positions = nullptr;      // (n): where the products with cache_rows store each token's row
 };
-
-template <int kWidth>
-struct Floats {
-  float v[kWidth];
-};
-// kWidth floats from p (16-byte aligned when kWidth = 4).
-template <int kWidth>
-__device__ Floats<kWidth> load_floats(const float* p) {
-  Floats<kWidth> f;
-  if constexpr (kWidth == 4) {
-    const float4 q = *reinterpret_cast<const float4*>(p);
-    f.v[0] = q.x, f.v[1] = q.y, f.v[2] = q.z, f.v[3] = q.w;
-  } else {
-    for (int k = 0; k < kWidth; ++k) f.v[k] = p[k];
-  }
-  return f;
-}
 
 // The launch's row `row` (< a.rows): its product and its row there.
 __device__ void find_row(const GemvArgs& a, int row, GemvProduct& product, int& local) {
