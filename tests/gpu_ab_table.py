@@ -4,8 +4,9 @@ p50s side by side (run-to-run spread is part of the result), from the CSVs `03_b
 
     python3 tests/gpu_ab_table.py OUT_DIR      # prints Markdown; gpu_session.sh writes it to OUT_DIR/ab_table.md
 
-Files read: OUT_DIR/{shipped,synthetic}_{base,release,plain,chunks-S-R}_{ROUND}.csv (plain: this build with
-KVS_PROGRAMMATIC_LAUNCH=0; chunks-S-R: with KVS_DECODE_CHUNKS=S,R, the step chunks) and OUT_DIR/shipped_cpu1.csv
+Files read: OUT_DIR/{shipped,synthetic}_{base,release,plain,chunks-S-R,gemv-warps-W}_{ROUND}.csv (plain: this
+build with KVS_PROGRAMMATIC_LAUNCH=0; chunks-S-R: with KVS_DECODE_CHUNKS=S,R, and gemv-warps-W: with
+KVS_GEMV_WARPS=W, the step chunks) and OUT_DIR/shipped_cpu1.csv
 (one CPU core, the same contexts). A column an older
 build's CSV lacks prints as "-". Standard library only: the GPU machine has python3 and nothing to install.
 
@@ -27,7 +28,7 @@ def read_rounds(out: Path):
     """{(model, variant): {round: {context: row}}} from the files named as gpu_session.sh names them."""
     runs = {}
     for path in sorted(out.glob("*.csv")):
-        match = re.fullmatch(r"(shipped|synthetic)_(base|release|plain|chunks-\d+-\d+)_(\d+)\.csv", path.name)
+        match = re.fullmatch(r"(shipped|synthetic)_(base|release|plain|chunks-\d+-\d+|gemv-warps-\d+)_(\d+)\.csv", path.name)
         if not match:
             continue
         model, variant, round_ = match.group(1), match.group(2), int(match.group(3))
@@ -51,17 +52,24 @@ def joined(values, form):
 
 
 def label(variant):
-    """A build's name in the table: VARIANTS', or the chunks setting of this build."""
+    """A build's name in the table: VARIANTS', or the setting this build ran with."""
     if variant in VARIANTS:
         return VARIANTS[variant]
+    if variant.startswith("gemv-warps-"):
+        return f"this build, KVS_GEMV_WARPS={variant.split('-')[2]}"
     splits, rows = variant.split("-")[1:]
     return f"this build, KVS_DECODE_CHUNKS={splits},{rows}"
 
 
+def settings(model, runs, prefix):
+    """The variants of one setting (its name's prefix) that ran for the model, in the order of their numbers."""
+    return sorted((v for m, v in runs if m == model and v.startswith(prefix)),
+                  key=lambda v: tuple(int(x) for x in v[len(prefix):].split("-")))
+
+
 def table(model, runs, cpu_rows):
-    chunks = sorted((v for m, v in runs if m == model and v.startswith("chunks-")),
-                    key=lambda v: tuple(int(x) for x in v.split("-")[1:]))
-    variants = [v for v in VARIANTS if (model, v) in runs] + chunks
+    variants = ([v for v in VARIANTS if (model, v) in runs] + settings(model, runs, "chunks-")
+                + settings(model, runs, "gemv-warps-"))
     if not variants:
         return []
     contexts = sorted({c for v in variants for rows in runs[(model, v)].values() for c in rows})
@@ -95,7 +103,7 @@ def main():
     out = Path(sys.argv[1])
     runs = read_rounds(out)
     if not runs:
-        sys.exit(f"gpu_ab_table.py: no {{shipped,synthetic}}_{{base,release,plain,chunks-S-R}}_ROUND.csv in {out}; "
+        sys.exit(f"gpu_ab_table.py: no {{shipped,synthetic}}_{{base,release,plain,chunks-S-R,gemv-warps-W}}_ROUND.csv in {out}; "
                  "run tests/gpu_session.sh with the step ab or chunks first")
     cpu_rows = {}
     if (out / "shipped_cpu1.csv").exists():

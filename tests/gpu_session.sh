@@ -7,8 +7,8 @@
 # STEPS: a comma-separated list of build,ab,chunks,test,sanitize,profile,chapters,transcripts, run in the order given
 # (default: build,ab,test,chunks,sanitize,profile,chapters; profile: the synthetic model's decode kernels under Nsight
 # Compute, each one's time and DRAM bytes, in profile.md, and what the decoding kernel's and the products' warps
-# wait on; chunks: this build's decode steps with decoding cut into other chunks, KVS_DECODE_CHUNKS, added to
-# ab_table.md; chapters: chapter 08's serve check and batch throughput and chapter 10's formats' speed on the GPU; transcripts: book
+# wait on; chunks: this build's decode steps with decoding cut into other chunks, KVS_DECODE_CHUNKS, and with the
+# products in blocks of fewer warps, KVS_GEMV_WARPS, added to ab_table.md; chapters: chapter 08's serve check and batch throughput and chapter 10's formats' speed on the GPU; transcripts: book
 # 07's GPU transcripts re-run, the book and its CSVs copied into OUT_DIR). Put the A/B right after the build: a call stopped at its time limit has the measurements.
 # Header-only dependencies the machine lacks (Eigen, doctest) may be given as a prefix in .deps/ (CMake config
 # files included); a base tree (git archive of an older commit) as BASE_SOURCE_DIR. tests/gpu_prepare.sh COMMIT
@@ -114,6 +114,18 @@ step_ab() {
   cat "$out/ab_table.md"
   step_done ab
 }
+# setting_runs NAME VARIABLE=VALUE WHEN: this build's breakdowns with that setting, the synthetic model at 512, 2,048,
+# 4,096 and 16,384 positions and the shipped one, into synthetic_NAME.csv and shipped_NAME.csv (and .log).
+setting_runs() {
+  env "$2" build/release/bin/03_benchmark --backend cuda $synthetic --lengths 512,2048,4096,16384 \
+    --csv "$out/synthetic_$1.csv" >"$out/synthetic_$1.log" 2>&1
+  local synthetic_status=$?
+  env "$2" build/release/bin/03_benchmark --backend cuda $shipped --csv "$out/shipped_$1.csv" >"$out/shipped_$1.log" 2>&1
+  local shipped_status=$?
+  check $synthetic_status "$2: synthetic"; check $shipped_status "$2: shipped"
+  echo "== $3, $2: exit $synthetic_status (synthetic), $shipped_status (shipped)"
+  tail -1 "$out/synthetic_$1.log" | grep error; grep -A4 "  context     step" "$out/synthetic_$1.log" | tail -4
+}
 step_chunks() {
   # Decoding's chunks (KVS_DECODE_CHUNKS=SPLITS,ROWS, default 64,16): more, shorter chunks keep more of the GPU
   # busy - at 512 positions chunks of 64 rows (64,64, the default until 2026-11-27) are 9 a KV head, 36 blocks of
@@ -124,22 +136,20 @@ step_chunks() {
   # (128,16 alike up to 2,048). Each setting in turn, the synthetic model at 512, 2,048, 4,096 and 16,384
   # positions and the shipped one; CHUNKS (space-separated) replaces the settings, CHUNKS_ROUNDS (default 1: one
   # build, no drift between builds to interleave against) repeats them. Their rows join ab_table.md.
+  # The products' blocks (KVS_GEMV_WARPS=W, default 4: the most warps a block of gemv_kernel takes): an H100 read
+  # the smaller products at 1.6 TB/s and the largest at 2.5 (book 07); blocks of fewer warps are more blocks,
+  # each sweeping more of d_in, that may all fit on the GPU at once (q/k/v's 768 blocks of 4 warps do not: 660 a
+  # wave). Each setting in turn, version 8's chunks; GEMV_WARPS (space-separated) replaces the settings.
   for round in $(seq 1 "${CHUNKS_ROUNDS:-1}"); do
     for chunks in ${CHUNKS:-64,16 64,64 128,16 256,16}; do
-      name=chunks-${chunks/,/-}
-      KVS_DECODE_CHUNKS=$chunks build/release/bin/03_benchmark --backend cuda $synthetic --lengths 512,2048,4096,16384 \
-        --csv "$out/synthetic_${name}_$round.csv" >"$out/synthetic_${name}_$round.log" 2>&1
-      synthetic_status=$?
-      KVS_DECODE_CHUNKS=$chunks build/release/bin/03_benchmark --backend cuda $shipped \
-        --csv "$out/shipped_${name}_$round.csv" >"$out/shipped_${name}_$round.log" 2>&1
-      shipped_status=$?
-      check $synthetic_status "chunks $chunks: synthetic"; check $shipped_status "chunks $chunks: shipped"
-      echo "== round $round, KVS_DECODE_CHUNKS=$chunks: exit $synthetic_status (synthetic), $shipped_status (shipped)"
-      tail -1 "$out/synthetic_${name}_$round.log" | grep error; grep -A4 "  context     step" "$out/synthetic_${name}_$round.log" | tail -4
+      setting_runs "chunks-${chunks/,/-}_$round" KVS_DECODE_CHUNKS="$chunks" "round $round"
+    done
+    for warps in ${GEMV_WARPS:-1 2}; do
+      setting_runs "gemv-warps-${warps}_$round" KVS_GEMV_WARPS="$warps" "round $round"
     done
   done
   python3 tests/gpu_ab_table.py "$out" >"$out/ab_table.md" 2>&1; check $? "the A/B table, with the chunks"
-  echo "== ab_table.md, the chunks' rows with the A/B's"
+  echo "== ab_table.md, the chunks' and the products' rows with the A/B's"
   cat "$out/ab_table.md"
   step_done chunks
 }

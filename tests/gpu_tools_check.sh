@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's tools, checked where there is no GPU (a lent GPU's minutes are too few to find a typo in them):
 # tests/gpu_session.sh parses, refuses an unknown step and exits 1 when its runs fail; tests/gpu_ab_table.py makes the A/B table, the chunks
-# step's rows included, from breakdown CSVs named as gpu_session.sh names them (a stored GPU run's CSV stands in);
+# step's rows (decoding's chunks, the products' warps) included, from breakdown CSVs named as gpu_session.sh names them (a stored GPU run's CSV stands in);
 # tests/gpu_stall_table.py makes the stall table, tests/gpu_kernel_profile.py the kernel profile's.
 # Usage: bash tests/gpu_tools_check.sh PYTHON3 (from anywhere).
 set -euo pipefail
@@ -23,20 +23,24 @@ grep -q "^FAILED, 7:" "$work/failing.log" || { echo "gpu_session.sh did not list
 grep -q "^  chapter 10 speed (exit 127)" "$work/failing.log" || { echo "gpu_session.sh did not name a failed run"; exit 1; }
 csv=$root/plots/data/gpu/breakdown_h100_synthetic_cuda_v6.csv
 mkdir "$work/out"
-for name in synthetic_base_1 synthetic_release_1 synthetic_chunks-128-16_1 synthetic_chunks-32-64_1 synthetic_chunks-64-64_1; do
+for name in synthetic_base_1 synthetic_release_1 synthetic_gemv-warps-2_1 synthetic_chunks-128-16_1 synthetic_chunks-32-64_1 \
+  synthetic_chunks-64-64_1 synthetic_gemv-warps-1_1; do
   cp "$csv" "$work/out/$name.csv"
 done
 "$python" "$root/tests/gpu_ab_table.py" "$work/out" >"$work/table.md"
 cat "$work/table.md"
-# The rows in order (base, this build, then the chunks settings by their numbers), each with the CSV's numbers:
-# step 1.763 ms, graph 1.726 ms, attention 0.660 ms at 512 positions.
+# The rows in order (base, this build, the chunks settings by their numbers, then the products' warps by theirs),
+# each with the CSV's numbers: step 1.763 ms, graph 1.726 ms, attention 0.660 ms at 512 positions.
 rows=$(grep -c '^| 512 |' "$work/table.md")
-[[ $rows == 5 ]] || { echo "expected 5 rows at 512 positions, got $rows"; exit 1; }
+[[ $rows == 7 ]] || { echo "expected 7 rows at 512 positions, got $rows"; exit 1; }
 order=$(grep '^| 512 |' "$work/table.md" | cut -d'|' -f3 | tr -s ' ' | paste -sd';')
 expected=" base ; this build ; this build, KVS_DECODE_CHUNKS=32,64 ; this build, KVS_DECODE_CHUNKS=64,64 ; this build, KVS_DECODE_CHUNKS=128,16 "
+expected+="; this build, KVS_GEMV_WARPS=1 ; this build, KVS_GEMV_WARPS=2 "
 [[ $order == "$expected" ]] || { echo "rows in the wrong order: $order"; exit 1; }
 grep -q '^| 512 | this build, KVS_DECODE_CHUNKS=128,16 | 1.763 | 1.726 | 0.660 | 83 |' "$work/table.md" ||
   { echo "the chunks row lost the CSV's numbers"; exit 1; }
+grep -q '^| 512 | this build, KVS_GEMV_WARPS=1 | 1.763 | 1.726 | 0.660 | 83 |' "$work/table.md" ||
+  { echo "the products' warps row lost the CSV's numbers"; exit 1; }
 # The stall table, from a CSV laid out as ncu 2025.3 wrote the kernel profile's on the H100 (a units row under the
 # header, the kernel's full name, numbers with thousands separators); its numbers are made up.
 cat >"$work/stalls.csv" <<'CSV'

@@ -143,10 +143,10 @@ TEST_CASE("cuda kernels: matrix products through the BLAS interface equal the CP
 // products whose rows are not a multiple of the 4 a block computes (so a block holds rows of two products), a
 // RoPE product starting at an odd row (the launch must fall back to the definition). A call that should be fused
 // is recorded and its launches counted (run_fused): one, so a call that fell back to the definition fails.
-TEST_CASE("cuda kernels: the fused norm-products (a cache write in them), SwiGLU and residual add equal their definitions") {
+namespace {
+void check_fused_products(Backend& b, std::mt19937& gen) {
   CpuBackend cpu(1);
-  std::mt19937 gen(10);
-  test::for_each_backend(kernel_backends(), [&](Backend& b) {
+  {
     struct Out {
       int d_out;
       bool rope;
@@ -240,8 +240,8 @@ TEST_CASE("cuda kernels: the fused norm-products (a cache write in them), SwiGLU
       });
       CHECK(worst_excess(test::from_backend(b, d_gate), gate, 1e-4f) <= 0);
     }
-    for (const Shape s : {Shape{1, 384, 128}, Shape{2, 33, 9}, Shape{8, 516, 130}, Shape{9, 64, 8}, Shape{64, 384, 128},
-                          Shape{65, 64, 8}}) {
+    for (const Shape s : {Shape{1, 384, 128}, Shape{1, 1028, 12}, Shape{2, 33, 9}, Shape{8, 516, 130}, Shape{9, 64, 8},
+                          Shape{64, 384, 128}, Shape{65, 64, 8}}) {
       CAPTURE(s.n); CAPTURE(s.d_in); CAPTURE(s.d_out);
       const std::vector<float> in = random_vector(std::size_t(s.n) * s.d_in, gen), w = random_vector(std::size_t(s.d_out) * s.d_in, gen);
       std::vector<float> x = random_vector(std::size_t(s.n) * s.d_out, gen), product(x.size());
@@ -251,7 +251,13 @@ TEST_CASE("cuda kernels: the fused norm-products (a cache write in them), SwiGLU
       run_fused(b, s.n <= 64, [&] { b.matmul_add(d_x.data(), d_product.data(), d_in.data(), d_w, s.n, s.d_in, s.d_out); });
       CHECK(worst_excess(test::from_backend(b, d_x), x, 1e-4f) <= 0);
     }
-  });
+  }
+}
+}  // namespace
+
+TEST_CASE("cuda kernels: the fused norm-products (a cache write in them), SwiGLU and residual add equal their definitions") {
+  std::mt19937 gen(10);
+  test::for_each_backend(kernel_backends(), [&](Backend& b) { check_fused_products(b, gen); });
 }
 
 // KVS_GEMV_MAX_TOKENS (tests/gpu_session.sh's A/B of the fused products against cuBLAS for 9 to 64 tokens):
@@ -273,6 +279,41 @@ TEST_CASE("cuda kernels: KVS_GEMV_MAX_TOKENS lowers the fused products' limit an
                            std::invalid_argument);
     }
     unsetenv("KVS_GEMV_MAX_TOKENS");
+  }
+}
+
+// KVS_GEMV_WARPS (tests/gpu_session.sh's chunks step: blocks of fewer warps, more of them at once): the fused
+// products above equal their definitions with blocks of 1, 2 and 3 warps, where a block sweeps d_in in more
+// sweeps (d_in 1,028 in one warp: nine sweeps of 128 columns, three groups of four, the last of one); the setting
+// reaches the launch (a product of 1,028 columns is summed in another order, so some of its outputs' bits differ
+// from 4 warps'); anything but 1 to 4 refuses the backend with the reason.
+TEST_CASE("cuda kernels: products in blocks of fewer warps (KVS_GEMV_WARPS) equal their definitions, and bad values are refused") {
+  const test::UnsetAtExit unset{"KVS_GEMV_WARPS"};
+  std::mt19937 gen(12);
+  const int d_in = 1028, d_out = 64;
+  const std::vector<float> in = random_vector(d_in, gen), w = random_vector(std::size_t(d_out) * d_in, gen);
+  for (const std::string& name : kernel_backends()) {
+    CAPTURE(name);
+    std::vector<std::vector<float>> sums;  // the product of 1,028 columns, with each setting
+    for (const std::string warps : {"1", "2", "3", ""}) {
+      CAPTURE(warps);
+      if (warps.empty()) unsetenv("KVS_GEMV_WARPS");
+      else setenv("KVS_GEMV_WARPS", warps.c_str(), 1);
+      const std::unique_ptr<Backend> b = test::make_test_backend(name);
+      check_fused_products(*b, gen);
+      Buffer d_input = test::to_backend(*b, in), d_x = test::to_backend(*b, std::vector<float>(d_out, 0.0f)), d_product(*b, d_out);
+      const float* d_w = b->upload_matrix(w.data(), d_out, d_in);
+      run_fused(*b, true, [&] { b->matmul_add(d_x.data(), d_product.data(), d_input.data(), d_w, 1, d_in, d_out); });
+      sums.push_back(test::from_backend(*b, d_x));
+    }
+    CHECK(sums[0] != sums[3]);  // 1 warp against 4 (unset)
+    for (const std::string value : {"0", "5", "2x", "", "-1"}) {
+      CAPTURE(value);
+      setenv("KVS_GEMV_WARPS", value.c_str(), 1);
+      CHECK_THROWS_WITH_AS(test::make_test_backend(name), doctest::Contains("expected a whole number from 1 to 4"),
+                           std::invalid_argument);
+    }
+    unsetenv("KVS_GEMV_WARPS");
   }
 }
 

@@ -890,19 +890,24 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp)
 constexpr int kGemvTokens = 8;     // a block's tokens (its tile)
 constexpr int kGemvMaxTokens = 64;  // a launch's: chapter 08's largest batch; more (prefill) takes cuBLAS
 
+// The whole number environment variable `name` sets, from low to high, or `unset` where it is not set; anything else
+// refuses the backend, saying what the number is (`what`).
+int whole_number_variable(const char* name, int low, int high, int unset, const char* what) {
+  const char* value = std::getenv(name);
+  if (!value) return unset;
+  char* end = nullptr;
+  const long number = std::strtol(value, &end, 10);
+  if (end == value || *end != '\0' || number < low || number > high)
+    throw std::invalid_argument(std::string(name) + "=" + value + ": expected a whole number from " + std::to_string(low) +
+                                " to " + std::to_string(high) + " (" + what + "); unset it for " + std::to_string(unset));
+  return static_cast<int>(number);
+}
 // The most tokens the fused products take on this run: kGemvMaxTokens, or KVS_GEMV_MAX_TOKENS (1 to 64) where set.
 // Why a variable: whether tiles of 8 beat cuBLAS for a large model's batch of 9 to 64 is a GPU's measurement, and
 // tests/gpu_session.sh makes it with one build (chapter 08's throughput with the limit at 8 and at 64).
 int gemv_max_tokens() {
-  const char* value = std::getenv("KVS_GEMV_MAX_TOKENS");
-  if (!value) return kGemvMaxTokens;
-  char* end = nullptr;
-  const long tokens = std::strtol(value, &end, 10);
-  if (end == value || *end != '\0' || tokens < 1 || tokens > kGemvMaxTokens)
-    throw std::invalid_argument(std::string("KVS_GEMV_MAX_TOKENS=") + value + ": expected a whole number from 1 to " +
-                                std::to_string(kGemvMaxTokens) + " (the most tokens a fused product takes); unset it for " +
-                                std::to_string(kGemvMaxTokens));
-  return static_cast<int>(tokens);
+  return whole_number_variable("KVS_GEMV_MAX_TOKENS", 1, kGemvMaxTokens, kGemvMaxTokens,
+                               "the most tokens a fused product takes");
 }
 // Whether to launch the kernels programmatically dependent (cuda_support.h's LaunchQueue) where the GPU can, on
 // compute capability 9.0 and later: yes, unless KVS_PROGRAMMATIC_LAUNCH=0. Why a variable: what it saves is a
@@ -919,6 +924,15 @@ bool programmatic_launch_wanted() {
 constexpr int kGemvRows = 4;  // even: a RoPE pair (rows 2i, 2i+1 of a product starting at an even row) stays in one block
 constexpr int kGemvWarps = 4;
 constexpr int kGemvMaxProducts = 3;
+
+// The most warps a product's block takes on this run: kGemvWarps, or KVS_GEMV_WARPS (1 to 4) where set. Why a
+// variable: an H100 read the layers' smaller products at 1.6 TB/s where the largest reached 2.5 (book 07), and one
+// suspect is the grid's waves - q/k/v's 768 blocks of 4 warps against 660 a wave (5 a multiprocessor at 94
+// registers), a second wave of 108 - where blocks of 1 warp, each sweeping all of d_in, all fit at once. Which
+// wins is a GPU's measurement, and tests/gpu_session.sh makes it with one build (its chunks step).
+int gemv_warps() {
+  return whole_number_variable("KVS_GEMV_WARPS", 1, kGemvWarps, kGemvWarps, "the most warps a product's block takes");
+}
 
 enum class GemvStore { kSet, kAdd, kSwiglu };
 
@@ -1148,6 +1162,7 @@ class CudaBackend final : public Backend {
   CudaBackend(std::string name, bool programmatic)
       : name_(std::move(name)),
         gemv_max_tokens_(gemv_max_tokens()),
+        gemv_warps_(gemv_warps()),
         chunks_(decode_chunks()),
         stream_(owned_stream_.stream),
         queue_{stream_, programmatic},
@@ -1501,8 +1516,8 @@ class CudaBackend final : public Backend {
   }
   template <int kWidth, GemvStore kStore>
   void launch_gemv_tokens(const GemvArgs& a) {  // the kernel's registers for the tokens the call has
-    // Warps enough for d_in (the shipped model's 128 floats are one warp's 16-byte loads), up to kGemvWarps.
-    const int warps = std::clamp((a.d_in + kWarp * kWidth - 1) / (kWarp * kWidth), 1, kGemvWarps);
+    // Warps enough for d_in (the shipped model's 128 floats are one warp's 16-byte loads), up to gemv_warps_.
+    const int warps = std::clamp((a.d_in + kWarp * kWidth - 1) / (kWarp * kWidth), 1, gemv_warps_);
     const int tiles = (a.n + kGemvTokens - 1) / kGemvTokens;  // 1 up to kGemvTokens tokens
     const dim3 grid((a.rows + kGemvRows - 1) / kGemvRows * tiles), block(warps * kWarp);
     if (a.n == 1) KVS_LAUNCH((gemv_kernel<1, kWidth, kStore>), grid, block, 0, queue_, a);
@@ -1531,6 +1546,7 @@ class CudaBackend final : public Backend {
 
   std::string name_;
   int gemv_max_tokens_;  // fused products up to this many tokens (gemv_max_tokens)
+  int gemv_warps_;       // a product's block takes at most this many warps (gemv_warps)
   DecodeChunks chunks_;  // how decoding cuts a view's rows (decode_chunks)
   OwnedStream owned_stream_;
   cudaStream_t stream_;  // owned_stream_'s
