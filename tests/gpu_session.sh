@@ -137,9 +137,10 @@ step_chunks() {
   # positions and the shipped one; CHUNKS (space-separated) replaces the settings, CHUNKS_ROUNDS (default 1: one
   # build, no drift between builds to interleave against) repeats them. Their rows join ab_table.md.
   # The products' blocks (KVS_GEMV_WARPS=W, default 4: the most warps a block of gemv_kernel takes): an H100 read
-  # the smaller products at 1.6 TB/s and the largest at 2.5 (book 07); blocks of fewer warps are more blocks,
-  # each sweeping more of d_in, that may all fit on the GPU at once (q/k/v's 768 blocks of 4 warps do not: 660 a
-  # wave). Each setting in turn, version 8's chunks; GEMV_WARPS (space-separated) replaces the settings.
+  # the smaller products at 1.6 TB/s and the largest at 2.5 (book 07); blocks of fewer warps are as many blocks,
+  # smaller, each sweeping more of d_in, and more of them fit on the GPU at once (q/k/v's 768 blocks of 4 warps
+  # do not all fit: 660 a wave). Each setting in turn, version 8's chunks (the 64,16 row above is 4 warps);
+  # GEMV_WARPS (space-separated) replaces the settings.
   for round in $(seq 1 "${CHUNKS_ROUNDS:-1}"); do
     for chunks in ${CHUNKS:-64,16 64,64 128,16 256,16}; do
       setting_runs "chunks-${chunks/,/-}_$round" KVS_DECODE_CHUNKS="$chunks" "round $round"
@@ -176,12 +177,13 @@ step_sanitize() {
   done
   step_done sanitize
 }
-# stall_profile NAME KERNEL_REGEX SKIP COUNT: Nsight Compute's warp-state sections on COUNT launches of the kernels
-# KERNEL_REGEX matches, after SKIP of them, in the synthetic model's decode steps at 4,096 positions. Every metric
+# stall_profile NAME KERNEL_REGEX SKIP COUNT [VARIABLE=VALUE ...]: Nsight Compute's warp-state sections on COUNT
+# launches of the kernels KERNEL_REGEX matches, after SKIP of them, in the synthetic model's decode steps at 4,096
+# positions, the run given the settings after COUNT. Every metric
 # in profile_NAME.csv (--page raw: the per-reason stalls among them, smsp__average_warps_issue_stalled_*_per_issue_
 # active.ratio, where the details page shows only each section's summary), the stalls as a table in stalls_NAME.md.
 stall_profile() {
-  timeout "${PROFILE_SECONDS:-200}" ncu --clock-control none --kernel-name regex:"$2" --launch-skip "$3" \
+  env "${@:5}" timeout "${PROFILE_SECONDS:-200}" ncu --clock-control none --kernel-name regex:"$2" --launch-skip "$3" \
     --launch-count "$4" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section MemoryWorkloadAnalysis --csv --page raw --print-units base \
     --log-file "$out/profile_$1.csv" build/release/bin/03_benchmark --backend cuda --synthetic 2048,16,16,4 \
@@ -218,6 +220,9 @@ step_profile() {
     # at least once; their grids, 768, 512, 1,408 and 512 blocks, and their order tell them apart): why q/k/v and
     # Wo read at ~1.55 TB/s where W1/W3 reach 2.5 (book 07).
     stall_profile gemv '^gemv_kernel' 200 5
+    # The same five with blocks of one warp (the chunks step's KVS_GEMV_WARPS=1): the setting changes every product,
+    # and a step's time cannot say which it made faster and which slower; each kernel's time here can.
+    stall_profile gemv-warps-1 '^gemv_kernel' 200 5 KVS_GEMV_WARPS=1
   else
     echo "ncu is not on the PATH: no kernel profile"
   fi

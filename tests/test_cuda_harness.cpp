@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "address_sanitizer.h"
 #include "cuda/cuda_support.h"
 
 namespace {
@@ -291,7 +292,9 @@ TEST_CASE("cuda harness: a stream capture records launches and copies, and each 
       {"cudaFree", [&] { return cudaFree(x.p); }},  // and x stays allocated: it is read below
       {"cudaMemset", [&] { return cudaMemset(x.p, 0, sizeof(float)); }},
   };
-  for (const auto& [call, make] : refused) {
+  for (const auto& refusal : refused) {
+    const char* call = refusal.first;  // not a structured binding: Clang before 16 cannot capture one (CAPTURE)
+    const std::function<cudaError_t()>& make = refusal.second;
     CAPTURE(call);
     KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     KVS_LAUNCH(add_from_memory, dim3(2), dim3(32), 0, stream, x.p, amount.p, 40);  // recorded, not run
@@ -402,7 +405,7 @@ TEST_CASE("cuda harness: a pending kernel finishes before a copy, a synchronisat
   KVS_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
-#if defined(__SANITIZE_ADDRESS__)
+#if KVS_ADDRESS_SANITIZER
 namespace {
 constexpr int kOutOfBoundsLine = __LINE__ + 3;  // the read below
 __global__ void read_one_past(float* out, const float* in, int n) {

@@ -10,13 +10,15 @@
 #include <cerrno>
 #include <cstddef>
 
+#include "address_sanitizer.h"
+
 namespace {
 std::atomic<long> g_allocations{0};
 }
 
 long kvs::heap_allocations() { return g_allocations.load(std::memory_order_relaxed); }
 
-#if defined(__SANITIZE_ADDRESS__)
+#if KVS_ADDRESS_SANITIZER
 // From the sanitizer runtime's allocator interface (declared here: g++ does not install its headers).
 extern "C" int __sanitizer_install_malloc_and_free_hooks(void (*on_malloc)(const volatile void*, std::size_t),
                                                         void (*on_free)(const volatile void*));

@@ -17,6 +17,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "address_sanitizer.h"
 #include "cuda_runtime_harness.h"
 
 uint3 threadIdx;
@@ -24,7 +25,7 @@ uint3 blockIdx;
 dim3 blockDim;
 dim3 gridDim;
 
-#if defined(__SANITIZE_ADDRESS__)
+#if KVS_ADDRESS_SANITIZER
 // AddressSanitizer must be told when the stack changes under it (declared by hand: g++ ships no sanitizer
 // headers).
 extern "C" void __sanitizer_start_switch_fiber(void** fake_stack_save, const void* bottom, std::size_t size);
@@ -45,7 +46,7 @@ constexpr int kMaxThreadsPerBlock = 1024;
 constexpr unsigned kMaxGridX = 2147483647u, kMaxGridYZ = 65535u;
 constexpr std::size_t kMaxDynamicShared = kHarnessMaxDynamicShared;  // an H100's per-block limit
 constexpr std::size_t kDefaultDynamicShared = 48 * 1024;  // what a kernel gets without cudaFuncSetAttribute
-#if defined(__SANITIZE_ADDRESS__)
+#if KVS_ADDRESS_SANITIZER
 constexpr std::size_t kStackBytes = 512 * 1024;  // ASan's redzones make frames larger
 #else
 constexpr std::size_t kStackBytes = 128 * 1024;
@@ -125,7 +126,7 @@ struct Thread {
   std::uint64_t value = 0;
   int source_lane = 0;
   std::uint64_t result = 0;
-#if defined(__SANITIZE_ADDRESS__)
+#if KVS_ADDRESS_SANITIZER
   void* fake_stack = nullptr;
   const void* stack_bottom = nullptr;
   std::size_t stack_size = 0;
@@ -288,11 +289,11 @@ class Scheduler {
     Launch& l = *running_;
     Thread& t = l.threads[current_];
     t.state = state;
-#if defined(__SANITIZE_ADDRESS__)
+#if KVS_ADDRESS_SANITIZER
     __sanitizer_start_switch_fiber(&t.fake_stack, main_bottom_, main_size_);
 #endif
     t.scheduler = std::move(t.scheduler).resume();
-#if defined(__SANITIZE_ADDRESS__)
+#if KVS_ADDRESS_SANITIZER
     __sanitizer_finish_switch_fiber(t.fake_stack, &main_bottom_, &main_size_);
 #endif
     if (l.abandoning) throw Abandon{};
@@ -313,13 +314,13 @@ class Scheduler {
     for (int t = 0; t < n; ++t) {
       l.threads[t].index = uint3{t % l.block.x, (t / l.block.x) % l.block.y, t / (l.block.x * l.block.y)};
       ctx::stack_context stack = stack_pool().allocate();
-#if defined(__SANITIZE_ADDRESS__)
+#if KVS_ADDRESS_SANITIZER
       l.threads[t].stack_bottom = static_cast<char*>(stack.sp) - stack.size;
       l.threads[t].stack_size = stack.size;
 #endif
       const ctx::preallocated on_stack(stack.sp, stack.size, stack);
       l.threads[t].fiber = ctx::fiber(std::allocator_arg, on_stack, PooledStack{}, [this, &l, t](ctx::fiber&& scheduler) {
-#if defined(__SANITIZE_ADDRESS__)
+#if KVS_ADDRESS_SANITIZER
         __sanitizer_finish_switch_fiber(nullptr, &main_bottom_, &main_size_);
 #endif
         l.threads[t].scheduler = std::move(scheduler);
@@ -334,7 +335,7 @@ class Scheduler {
           if (!l.error) l.error = std::current_exception();
         }
         l.threads[t].state = State::kDone;
-#if defined(__SANITIZE_ADDRESS__)
+#if KVS_ADDRESS_SANITIZER
         __sanitizer_start_switch_fiber(nullptr, main_bottom_, main_size_);
 #endif
         return std::move(l.threads[t].scheduler);
@@ -392,12 +393,12 @@ class Scheduler {
     blockIdx = l.block_index;
     blockDim = l.block;
     gridDim = l.grid;
-#if defined(__SANITIZE_ADDRESS__)
+#if KVS_ADDRESS_SANITIZER
     void* fake_stack = nullptr;
     __sanitizer_start_switch_fiber(&fake_stack, l.threads[t].stack_bottom, l.threads[t].stack_size);
 #endif
     l.threads[t].fiber = std::move(l.threads[t].fiber).resume();
-#if defined(__SANITIZE_ADDRESS__)
+#if KVS_ADDRESS_SANITIZER
     __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
 #endif
     current_ = -1;
@@ -485,7 +486,7 @@ class Scheduler {
   std::unordered_map<const void*, std::size_t> max_dynamic_shared_;  // kernel -> cudaFuncSetAttribute's bytes
   Launch* running_ = nullptr;          // the launch whose thread runs (or was checked) last
   int current_ = -1;
-#if defined(__SANITIZE_ADDRESS__)
+#if KVS_ADDRESS_SANITIZER
   const void* main_bottom_ = nullptr;
   std::size_t main_size_ = 0;
 #endif
