@@ -146,111 +146,109 @@ TEST_CASE("cuda kernels: matrix products through the BLAS interface equal the CP
 namespace {
 void check_fused_products(Backend& b, std::mt19937& gen) {
   CpuBackend cpu(1);
-  {
-    struct Out {
-      int d_out;
-      bool rope;
-    };
-    struct Case {
-      int n, d_in, head_dim;
-      std::vector<Out> outs;
-      bool fused = true;  // up to 64 tokens, RoPE on pairs of a block's rows
-    };
-    const std::vector<Case> cases = {
-        {1, 128, 32, {{128, true}, {64, true}, {64, false}}},  // the shipped model's q, k, v
-        {3, 60, 6, {{12, true}, {6, true}, {6, false}}},
-        {8, 516, 4, {{8, true}, {4, true}, {4, false}}},
-        {5, 33, 6, {{6, true}, {6, true}, {6, false}}},
-        {2, 64, 10, {{30, true}, {10, true}, {10, false}}},  // product 1 starts inside a block
-        {9, 64, 4, {{8, true}, {4, true}, {4, false}}},
-        {17, 36, 6, {{18, true}, {6, true}, {6, false}}},  // product 1 starts inside a block, a tile of one token
-        {64, 128, 32, {{128, true}, {64, true}, {64, false}}},  // 64 sequences of the shipped model
-        {65, 64, 4, {{8, true}, {4, true}, {4, false}}, false},
-        {1, 64, 2, {{6, false}, {5, false}, {4, true}}, false},  // RoPE from row 11: not a pair of one block
-        {1, 128, 32, {{256, false}}},                        // the classifier
-    };
-    for (const Case& k : cases) {
-      CAPTURE(k.n); CAPTURE(k.d_in); CAPTURE(k.head_dim); CAPTURE(k.outs.size());
-      const std::vector<float> x = random_vector(std::size_t(k.n) * k.d_in, gen, 2.0f), g = random_vector(k.d_in, gen);
-      std::vector<float> table(std::size_t(k.n) * k.head_dim);
-      cpu.rope_table(table.data(), consecutive_positions(cpu, 1000, k.n).data(), k.n, k.head_dim);
-      Buffer d_x = test::to_backend(b, x), d_g = test::to_backend(b, g), d_table = test::to_backend(b, table);
-      Buffer d_normed(b, x.size());
-      std::vector<std::vector<float>> want;
-      std::vector<Buffer> got;
-      std::vector<Backend::Product> cpu_products, products;
-      for (const Out& o : k.outs) {
-        const std::vector<float> w = random_vector(std::size_t(o.d_out) * k.d_in, gen);
-        want.emplace_back(std::size_t(k.n) * o.d_out);
-        got.emplace_back(b, want.back().size());
-        cpu_products.push_back({want.back().data(), cpu.upload_matrix(w.data(), o.d_out, k.d_in), o.d_out,
-                                o.rope ? table.data() : nullptr});
-        products.push_back({got.back().data(), b.upload_matrix(w.data(), o.d_out, k.d_in), o.d_out,
-                            o.rope ? d_table.data() : nullptr});
-      }
-      // Attention's k and v (products 1 and 2 of three) also store their rows in a cache, as KvCache::rows_write
-      // asks: a ring that wraps within the call (positions from 1000; two sinks; one slot more than the call's
-      // rows, so no two share a slot), rows 3 floats longer than a product's; untouched rows stay -7.
-      const Ring ring{k.n + 3, 2};
-      const IntBuffer cpu_positions = consecutive_positions(cpu, 1000, k.n), positions = consecutive_positions(b, 1000, k.n);
-      std::vector<std::vector<float>> want_cache;
-      std::vector<Buffer> cache;
-      for (std::size_t i = 1; k.outs.size() == 3 && i < 3; ++i) {
-        const int stride = k.outs[i].d_out + 3;
-        want_cache.emplace_back(std::size_t(ring.slots) * stride, -7.0f);
-        cache.push_back(test::to_backend(b, want_cache.back()));
-        cpu_products[i].cache_rows = want_cache.back().data(), products[i].cache_rows = cache.back().data();
-        cpu_products[i].cache_row_stride = products[i].cache_row_stride = stride;
-        cpu_products[i].cache_ring = products[i].cache_ring = ring;
-        cpu_products[i].positions = cpu_positions.data(), products[i].positions = positions.data();
-      }
-      std::vector<float> normed(x.size());
-      cpu.norm_products(normed.data(), x.data(), g.data(), k.n, k.d_in, k.head_dim, cpu_products);
-      run_fused(b, k.fused, [&] { b.norm_products(d_normed.data(), d_x.data(), d_g.data(), k.n, k.d_in, k.head_dim, products); });
-      for (std::size_t i = 0; i < k.outs.size(); ++i) {
-        CAPTURE(i);
-        CHECK(worst_excess(test::from_backend(b, got[i]), want[i], 1e-4f) <= 0);
-      }
-      for (std::size_t i = 0; i < cache.size(); ++i) {
-        CAPTURE(i);
-        CHECK(worst_excess(test::from_backend(b, cache[i]), want_cache[i], 1e-4f) <= 0);
-      }
+  struct Out {
+    int d_out;
+    bool rope;
+  };
+  struct Case {
+    int n, d_in, head_dim;
+    std::vector<Out> outs;
+    bool fused = true;  // up to 64 tokens, RoPE on pairs of a block's rows
+  };
+  const std::vector<Case> cases = {
+      {1, 128, 32, {{128, true}, {64, true}, {64, false}}},  // the shipped model's q, k, v
+      {3, 60, 6, {{12, true}, {6, true}, {6, false}}},
+      {8, 516, 4, {{8, true}, {4, true}, {4, false}}},
+      {5, 33, 6, {{6, true}, {6, true}, {6, false}}},
+      {2, 64, 10, {{30, true}, {10, true}, {10, false}}},  // product 1 starts inside a block
+      {9, 64, 4, {{8, true}, {4, true}, {4, false}}},
+      {17, 36, 6, {{18, true}, {6, true}, {6, false}}},  // product 1 starts inside a block, a tile of one token
+      {64, 128, 32, {{128, true}, {64, true}, {64, false}}},  // 64 sequences of the shipped model
+      {65, 64, 4, {{8, true}, {4, true}, {4, false}}, false},
+      {1, 64, 2, {{6, false}, {5, false}, {4, true}}, false},  // RoPE from row 11: not a pair of one block
+      {1, 128, 32, {{256, false}}},                        // the classifier
+  };
+  for (const Case& k : cases) {
+    CAPTURE(k.n); CAPTURE(k.d_in); CAPTURE(k.head_dim); CAPTURE(k.outs.size());
+    const std::vector<float> x = random_vector(std::size_t(k.n) * k.d_in, gen, 2.0f), g = random_vector(k.d_in, gen);
+    std::vector<float> table(std::size_t(k.n) * k.head_dim);
+    cpu.rope_table(table.data(), consecutive_positions(cpu, 1000, k.n).data(), k.n, k.head_dim);
+    Buffer d_x = test::to_backend(b, x), d_g = test::to_backend(b, g), d_table = test::to_backend(b, table);
+    Buffer d_normed(b, x.size());
+    std::vector<std::vector<float>> want;
+    std::vector<Buffer> got;
+    std::vector<Backend::Product> cpu_products, products;
+    for (const Out& o : k.outs) {
+      const std::vector<float> w = random_vector(std::size_t(o.d_out) * k.d_in, gen);
+      want.emplace_back(std::size_t(k.n) * o.d_out);
+      got.emplace_back(b, want.back().size());
+      cpu_products.push_back({want.back().data(), cpu.upload_matrix(w.data(), o.d_out, k.d_in), o.d_out,
+                              o.rope ? table.data() : nullptr});
+      products.push_back({got.back().data(), b.upload_matrix(w.data(), o.d_out, k.d_in), o.d_out,
+                          o.rope ? d_table.data() : nullptr});
     }
+    // Attention's k and v (products 1 and 2 of three) also store their rows in a cache, as KvCache::rows_write
+    // asks: a ring that wraps within the call (positions from 1000; two sinks; one slot more than the call's
+    // rows, so no two share a slot), rows 3 floats longer than a product's; untouched rows stay -7.
+    const Ring ring{k.n + 3, 2};
+    const IntBuffer cpu_positions = consecutive_positions(cpu, 1000, k.n), positions = consecutive_positions(b, 1000, k.n);
+    std::vector<std::vector<float>> want_cache;
+    std::vector<Buffer> cache;
+    for (std::size_t i = 1; k.outs.size() == 3 && i < 3; ++i) {
+      const int stride = k.outs[i].d_out + 3;
+      want_cache.emplace_back(std::size_t(ring.slots) * stride, -7.0f);
+      cache.push_back(test::to_backend(b, want_cache.back()));
+      cpu_products[i].cache_rows = want_cache.back().data(), products[i].cache_rows = cache.back().data();
+      cpu_products[i].cache_row_stride = products[i].cache_row_stride = stride;
+      cpu_products[i].cache_ring = products[i].cache_ring = ring;
+      cpu_products[i].positions = cpu_positions.data(), products[i].positions = positions.data();
+    }
+    std::vector<float> normed(x.size());
+    cpu.norm_products(normed.data(), x.data(), g.data(), k.n, k.d_in, k.head_dim, cpu_products);
+    run_fused(b, k.fused, [&] { b.norm_products(d_normed.data(), d_x.data(), d_g.data(), k.n, k.d_in, k.head_dim, products); });
+    for (std::size_t i = 0; i < k.outs.size(); ++i) {
+      CAPTURE(i);
+      CHECK(worst_excess(test::from_backend(b, got[i]), want[i], 1e-4f) <= 0);
+    }
+    for (std::size_t i = 0; i < cache.size(); ++i) {
+      CAPTURE(i);
+      CHECK(worst_excess(test::from_backend(b, cache[i]), want_cache[i], 1e-4f) <= 0);
+    }
+  }
 
-    struct Shape {
-      int n, d_in, d_out;
-    };
-    for (const Shape s : {Shape{1, 128, 384}, Shape{4, 60, 13}, Shape{8, 516, 7}, Shape{3, 33, 10}, Shape{9, 64, 16},
-                          Shape{20, 36, 10}, Shape{65, 64, 16}}) {
-      CAPTURE(s.n); CAPTURE(s.d_in); CAPTURE(s.d_out);
-      const std::vector<float> x = random_vector(std::size_t(s.n) * s.d_in, gen, 2.0f), g = random_vector(s.d_in, gen);
-      // Weights of a trained layer's scale (1/sqrt(d_in)): gate and up of order 1, so their product's rounding
-      // stays within the products' tolerance (at scale 1 both are ~sqrt(d_in) and so is its relative error).
-      const float scale = 1.0f / std::sqrt(float(s.d_in));
-      const std::vector<float> w1 = random_vector(std::size_t(s.d_out) * s.d_in, gen, scale),
-                               w3 = random_vector(std::size_t(s.d_out) * s.d_in, gen, scale);
-      std::vector<float> gate(std::size_t(s.n) * s.d_out), up(gate.size()), normed(x.size());
-      cpu.norm_swiglu(gate.data(), up.data(), normed.data(), x.data(), g.data(), cpu.upload_matrix(w1.data(), s.d_out, s.d_in),
-                      cpu.upload_matrix(w3.data(), s.d_out, s.d_in), s.n, s.d_in, s.d_out);
-      Buffer d_x = test::to_backend(b, x), d_g = test::to_backend(b, g), d_gate(b, gate.size()), d_up(b, gate.size()),
-             d_normed(b, x.size());
-      const float *d_w1 = b.upload_matrix(w1.data(), s.d_out, s.d_in), *d_w3 = b.upload_matrix(w3.data(), s.d_out, s.d_in);
-      run_fused(b, s.n <= 64, [&] {
-        b.norm_swiglu(d_gate.data(), d_up.data(), d_normed.data(), d_x.data(), d_g.data(), d_w1, d_w3, s.n, s.d_in, s.d_out);
-      });
-      CHECK(worst_excess(test::from_backend(b, d_gate), gate, 1e-4f) <= 0);
-    }
-    for (const Shape s : {Shape{1, 384, 128}, Shape{1, 1028, 12}, Shape{2, 33, 9}, Shape{8, 516, 130}, Shape{9, 64, 8},
-                          Shape{64, 384, 128}, Shape{65, 64, 8}}) {
-      CAPTURE(s.n); CAPTURE(s.d_in); CAPTURE(s.d_out);
-      const std::vector<float> in = random_vector(std::size_t(s.n) * s.d_in, gen), w = random_vector(std::size_t(s.d_out) * s.d_in, gen);
-      std::vector<float> x = random_vector(std::size_t(s.n) * s.d_out, gen), product(x.size());
-      Buffer d_in = test::to_backend(b, in), d_x = test::to_backend(b, x), d_product(b, x.size());
-      cpu.matmul_add(x.data(), product.data(), in.data(), cpu.upload_matrix(w.data(), s.d_out, s.d_in), s.n, s.d_in, s.d_out);
-      const float* d_w = b.upload_matrix(w.data(), s.d_out, s.d_in);
-      run_fused(b, s.n <= 64, [&] { b.matmul_add(d_x.data(), d_product.data(), d_in.data(), d_w, s.n, s.d_in, s.d_out); });
-      CHECK(worst_excess(test::from_backend(b, d_x), x, 1e-4f) <= 0);
-    }
+  struct Shape {
+    int n, d_in, d_out;
+  };
+  for (const Shape s : {Shape{1, 128, 384}, Shape{4, 60, 13}, Shape{8, 516, 7}, Shape{3, 33, 10}, Shape{9, 64, 16},
+                        Shape{20, 36, 10}, Shape{65, 64, 16}}) {
+    CAPTURE(s.n); CAPTURE(s.d_in); CAPTURE(s.d_out);
+    const std::vector<float> x = random_vector(std::size_t(s.n) * s.d_in, gen, 2.0f), g = random_vector(s.d_in, gen);
+    // Weights of a trained layer's scale (1/sqrt(d_in)): gate and up of order 1, so their product's rounding
+    // stays within the products' tolerance (at scale 1 both are ~sqrt(d_in) and so is its relative error).
+    const float scale = 1.0f / std::sqrt(float(s.d_in));
+    const std::vector<float> w1 = random_vector(std::size_t(s.d_out) * s.d_in, gen, scale),
+                             w3 = random_vector(std::size_t(s.d_out) * s.d_in, gen, scale);
+    std::vector<float> gate(std::size_t(s.n) * s.d_out), up(gate.size()), normed(x.size());
+    cpu.norm_swiglu(gate.data(), up.data(), normed.data(), x.data(), g.data(), cpu.upload_matrix(w1.data(), s.d_out, s.d_in),
+                    cpu.upload_matrix(w3.data(), s.d_out, s.d_in), s.n, s.d_in, s.d_out);
+    Buffer d_x = test::to_backend(b, x), d_g = test::to_backend(b, g), d_gate(b, gate.size()), d_up(b, gate.size()),
+           d_normed(b, x.size());
+    const float *d_w1 = b.upload_matrix(w1.data(), s.d_out, s.d_in), *d_w3 = b.upload_matrix(w3.data(), s.d_out, s.d_in);
+    run_fused(b, s.n <= 64, [&] {
+      b.norm_swiglu(d_gate.data(), d_up.data(), d_normed.data(), d_x.data(), d_g.data(), d_w1, d_w3, s.n, s.d_in, s.d_out);
+    });
+    CHECK(worst_excess(test::from_backend(b, d_gate), gate, 1e-4f) <= 0);
+  }
+  for (const Shape s : {Shape{1, 384, 128}, Shape{1, 1028, 12}, Shape{2, 33, 9}, Shape{8, 516, 130}, Shape{9, 64, 8},
+                        Shape{64, 384, 128}, Shape{65, 64, 8}}) {
+    CAPTURE(s.n); CAPTURE(s.d_in); CAPTURE(s.d_out);
+    const std::vector<float> in = random_vector(std::size_t(s.n) * s.d_in, gen), w = random_vector(std::size_t(s.d_out) * s.d_in, gen);
+    std::vector<float> x = random_vector(std::size_t(s.n) * s.d_out, gen), product(x.size());
+    Buffer d_in = test::to_backend(b, in), d_x = test::to_backend(b, x), d_product(b, x.size());
+    cpu.matmul_add(x.data(), product.data(), in.data(), cpu.upload_matrix(w.data(), s.d_out, s.d_in), s.n, s.d_in, s.d_out);
+    const float* d_w = b.upload_matrix(w.data(), s.d_out, s.d_in);
+    run_fused(b, s.n <= 64, [&] { b.matmul_add(d_x.data(), d_product.data(), d_in.data(), d_w, s.n, s.d_in, s.d_out); });
+    CHECK(worst_excess(test::from_backend(b, d_x), x, 1e-4f) <= 0);
   }
 }
 }  // namespace
