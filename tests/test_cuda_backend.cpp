@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <initializer_list>
 #include <iterator>
 #include <limits>
 #include <memory>
@@ -62,6 +63,18 @@ void run_fused(Backend& b, bool fused, Run run) {
   b.end_recording();
   b.replay(recording);
   CHECK(b.recorded_launches() == 1);
+}
+
+// Each of `values` set in the environment variable `variable` refuses the backend `name` with a message holding
+// `reason`; the variable is unset after.
+void check_refused(const std::string& name, const char* variable, std::initializer_list<const char*> values,
+                   const char* reason) {
+  for (const char* value : values) {
+    CAPTURE(value);
+    setenv(variable, value, 1);
+    CHECK_THROWS_WITH_AS(test::make_test_backend(name), doctest::Contains(reason), std::invalid_argument);
+  }
+  unsetenv(variable);
 }
 
 std::vector<std::string> kernel_backends() {
@@ -270,13 +283,7 @@ TEST_CASE("cuda kernels: KVS_GEMV_MAX_TOKENS lowers the fused products' limit an
     CHECK(b->fused_tokens() == 8);
     unsetenv("KVS_GEMV_MAX_TOKENS");
     CHECK(test::make_test_backend(name)->fused_tokens() == 64);
-    for (const std::string value : {"0", "65", "8x", "", "-1"}) {
-      CAPTURE(value);
-      setenv("KVS_GEMV_MAX_TOKENS", value.c_str(), 1);
-      CHECK_THROWS_WITH_AS(test::make_test_backend(name), doctest::Contains("expected a whole number from 1 to 64"),
-                           std::invalid_argument);
-    }
-    unsetenv("KVS_GEMV_MAX_TOKENS");
+    check_refused(name, "KVS_GEMV_MAX_TOKENS", {"0", "65", "8x", "", "-1"}, "expected a whole number from 1 to 64");
   }
 }
 
@@ -306,13 +313,7 @@ TEST_CASE("cuda kernels: products in blocks of fewer warps (KVS_GEMV_WARPS) equa
       sums.push_back(test::from_backend(*b, d_x));
     }
     CHECK(sums[0] != sums[3]);  // 1 warp against 4 (unset)
-    for (const std::string value : {"0", "5", "2x", "", "-1"}) {
-      CAPTURE(value);
-      setenv("KVS_GEMV_WARPS", value.c_str(), 1);
-      CHECK_THROWS_WITH_AS(test::make_test_backend(name), doctest::Contains("expected a whole number from 1 to 4"),
-                           std::invalid_argument);
-    }
-    unsetenv("KVS_GEMV_WARPS");
+    check_refused(name, "KVS_GEMV_WARPS", {"0", "5", "2x", "", "-1"}, "expected a whole number from 1 to 4");
   }
 }
 
@@ -602,11 +603,8 @@ TEST_CASE("cuda kernels: decoding cut into other chunks (KVS_DECODE_CHUNKS) equa
   }
   for (const std::string& name : kernel_backends()) {
     CAPTURE(name);
-    for (const std::string value : {"0,16", "257,16", "64", "64,0", "64,65537", "64,16x", ",16", "64,", "", "x"}) {
-      CAPTURE(value);
-      setenv("KVS_DECODE_CHUNKS", value.c_str(), 1);
-      CHECK_THROWS_WITH_AS(test::make_test_backend(name), doctest::Contains("expected SPLITS,ROWS"), std::invalid_argument);
-    }
+    check_refused(name, "KVS_DECODE_CHUNKS", {"0,16", "257,16", "64", "64,0", "64,65537", "64,16x", ",16", "64,", "", "x"},
+                  "expected SPLITS,ROWS");
   }
 }
 
