@@ -14,7 +14,7 @@
 # files included); a base tree (git archive of an older commit) as BASE_SOURCE_DIR. tests/gpu_prepare.sh COMMIT
 # makes both, in .deps/ and .ab/base, folders .git/info/exclude ignores; the device call carries them.
 # Everything lands in OUT_DIR and in one archive, OUT_DIR.tgz or GPU_SESSION_ARCHIVE where set, rewritten after
-# each step, which also prints its seconds. A device call returns at most 8 files of its $OUT: keep OUT_DIR out
+# each run and each step (a step also prints its seconds). A device call returns at most 8 files of its $OUT: keep OUT_DIR out
 # of it and the archive in it, `GPU_SESSION_ARCHIVE=$OUT/s.tgz bash tests/gpu_session.sh /tmp/s .ab/base STEPS`.
 # A device call stops at 600 s, and a session has 15 minutes of device time, the machine's start included: build,
 # test, sanitize and ab took 446 s in the 2026-11-23 call. So one call, timeout 600, the steps in the order of
@@ -32,19 +32,27 @@ IFS=, read -ra step_list <<<"$steps"
 for step in "${step_list[@]}"; do
   [[ $known == *",$step,"* ]] || { echo "gpu_session.sh: no step '$step' (steps: ${known:1:-1})" >&2; exit 2; }
 done
-# After each step: its seconds, and the archive rewritten, so that a call stopped at its time limit still
-# returns everything done before (a device call returns at most 8 files; the archive is one).
+# The archive, rewritten after every run (check, below) and every step, so that a call stopped at its time limit
+# still returns everything done before, the runs of a step it stopped in included (a device call returns at most 8
+# files; the archive is one). Written aside, then renamed: a call stopped during tar keeps the last whole archive.
+archive_path=${GPU_SESSION_ARCHIVE:-$out.tgz}
+archive() {
+  tar -czf "$archive_path.part" -C "$(dirname "$out")" "$(basename "$out")" && mv -f "$archive_path.part" "$archive_path"
+}
+# After each step: its seconds, and the archive rewritten.
 step_start=$SECONDS
 step_done() {
   echo "-- step $1: $((SECONDS - step_start)) s (session so far: $SECONDS s)"
-  tar -czf "${GPU_SESSION_ARCHIVE:-$out.tgz}" -C "$(dirname "$out")" "$(basename "$out")"
+  archive
   step_start=$SECONDS
 }
 jobs=$(nproc)
 # What failed, for the last lines and the exit status: a call whose tests, tools or runs failed must not return 0.
+# Every run, tool and table goes through check, which then rewrites the archive.
 failed=()
 check() {  # STATUS WHAT
   [[ $1 == 0 ]] || failed+=("$2 (exit $1)")
+  archive
 }
 # The breakdowns' models (03_benchmark's flags): the shipped one, and book 07's synthetic one (fp32, 2048 wide).
 shipped="--breakdown --lengths 32,512,1984 --max-new-tokens 64"
@@ -142,11 +150,15 @@ step_chunks() {
   # do not all fit: 660 a wave). Each setting in turn, version 8's chunks (the 64,16 row above is 4 warps);
   # GEMV_WARPS (space-separated) replaces the settings.
   for round in $(seq 1 "${CHUNKS_ROUNDS:-1}"); do
-    for chunks in ${CHUNKS:-64,16 64,64 128,16 256,16}; do
-      setting_runs "chunks-${chunks/,/-}_$round" KVS_DECODE_CHUNKS="$chunks" "round $round"
-    done
+    # The default's cut first, the products' warps next (the default's row is their baseline), then the other
+    # cuts: a call stopped at its time limit keeps the comparisons it finished (the archive follows every run).
+    chunk_list=(${CHUNKS:-64,16 64,64 128,16 256,16})
+    setting_runs "chunks-${chunk_list[0]/,/-}_$round" KVS_DECODE_CHUNKS="${chunk_list[0]}" "round $round"
     for warps in ${GEMV_WARPS:-1 2}; do
       setting_runs "gemv-warps-${warps}_$round" KVS_GEMV_WARPS="$warps" "round $round"
+    done
+    for chunks in "${chunk_list[@]:1}"; do
+      setting_runs "chunks-${chunks/,/-}_$round" KVS_DECODE_CHUNKS="$chunks" "round $round"
     done
   done
   python3 tests/gpu_ab_table.py "$out" >"$out/ab_table.md" 2>&1; check $? "the A/B table, with the chunks"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's tools, checked where there is no GPU (a lent GPU's minutes are too few to find a typo in them):
-# tests/gpu_session.sh parses, refuses an unknown step and exits 1 when its runs fail; tests/gpu_ab_table.py makes the A/B table, the chunks
+# tests/gpu_session.sh parses, refuses an unknown step, exits 1 when its runs fail and archives after every run; tests/gpu_ab_table.py makes the A/B table, the chunks
 # step's rows (decoding's chunks, the products' warps) included, from breakdown CSVs named as gpu_session.sh names them (a stored GPU run's CSV stands in);
 # tests/gpu_stall_table.py makes the stall table, tests/gpu_kernel_profile.py the kernel profile's.
 # Usage: bash tests/gpu_tools_check.sh PYTHON3 (from anywhere).
@@ -21,6 +21,17 @@ if (cd "$work" && mkdir empty && cd empty && bash "$root/tests/gpu_session.sh" "
 fi
 grep -q "^FAILED, 7:" "$work/failing.log" || { echo "gpu_session.sh did not list its 7 failed runs"; cat "$work/failing.log"; exit 1; }
 grep -q "^  chapter 10 speed (exit 127)" "$work/failing.log" || { echo "gpu_session.sh did not name a failed run"; exit 1; }
+# The archive follows every run, not only every step (a call stopped in the middle of a step keeps its runs so far):
+# the same step again with a tar that counts its calls, 7 runs and the step's end. Then the archive holds the runs'
+# logs, and no half-written one is left.
+mkdir "$work/bin"
+printf '#!/bin/sh\necho >>"%s/tar_calls"\nexec %s "$@"\n' "$work" "$(command -v tar)" >"$work/bin/tar"
+chmod +x "$work/bin/tar"
+(cd "$work/empty" && PATH="$work/bin:$PATH" bash "$root/tests/gpu_session.sh" "$work/counted" "" chapters) >/dev/null 2>&1 || true
+calls=$(wc -l <"$work/tar_calls")
+[[ $calls == 8 ]] || { echo "gpu_session.sh archived $calls times in a step of 7 runs (expected 8: after each run and at the end)"; exit 1; }
+tar -tzf "$work/counted.tgz" | grep -q 'counted/kv_format_speed_gpu.log' || { echo "the archive lacks the step's last log"; exit 1; }
+[[ ! -e $work/counted.tgz.part ]] || { echo "gpu_session.sh left a half-written archive"; exit 1; }
 csv=$root/plots/data/gpu/breakdown_h100_synthetic_cuda_v6.csv
 mkdir "$work/out"
 for name in synthetic_base_1 synthetic_release_1 synthetic_gemv-warps-2_1 synthetic_chunks-128-16_1 synthetic_chunks-32-64_1 \
