@@ -70,7 +70,7 @@ def machine_line(gpu=None):
     day = datetime.date.today().isoformat()
     where = f"{gpu} (GPU: name, memory, driver) with {cpu}, {cores} cores" if gpu else f"{cpu}, {cores} cores"
     return (f"{MACHINE_PREFIX} on {where}, {day}; threads as printed (default: every core). "
-            f"Timings differ on your machine; counts, bytes and text do not.</sub>")
+            f"Timings, page faults and resident memory differ on your machine; the text, counts and sizes do not.</sub>")
 
 
 # What --check adds to one experiment of one binary to make it quick.

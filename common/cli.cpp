@@ -228,14 +228,14 @@ void add_common_flags(ArgParser& p, CommonOptions& o, const std::string& default
   }
   if (which == CommonFlags::kGeneration) {
     std::ostringstream temperature;  // the chapter's default: 0 (greedy) in most, 0.8 where samples must differ
-    temperature << "0 = greedy, otherwise sample from softmax(logits / T) (default " << o.temperature << ")";
+    temperature << "0 = greedy, otherwise sample from softmax(logits / X) (default " << o.temperature << ")";
     p.add_float("--temperature", temperature.str(), &o.temperature, 0.0f, 100.0f);
     // At most the byte vocabulary every chapter's model has (Runtime checks it): more would quietly mean all.
-    p.add_int("--top-k", "sample among the K most likely tokens only (default 0 = all)", &o.top_k, 0, kByteVocab);
+    p.add_int("--top-k", "sample among the N most likely tokens only (default 0 = all)", &o.top_k, 0, kByteVocab);
     p.add_u64("--seed", "random seed for sampling (default " + std::to_string(o.seed) + ")", &o.seed);
     p.add_check([&p, &o] {
       if (o.temperature > 0 || (!p.given("--top-k") && !p.given("--seed"))) return std::string();
-      return std::string("--top-k and --seed only apply when sampling; add --temperature T (T > 0) or drop them");
+      return std::string("--top-k and --seed only apply when sampling; add --temperature X (X > 0) or drop them");
     });
   }
   p.add_string("--backend", "NAME",

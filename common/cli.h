@@ -1,7 +1,7 @@
 #pragma once
 // The command line every chapter binary shares: one parser, one set of common flags, one way to fail.
-//   --help, --model PATH, --prompt TEXT | --prompt-file PATH, --max-new-tokens N, --temperature T,
-//   --top-k K, --seed S, --threads N, --csv PATH
+//   --help, --model PATH, --prompt TEXT | --prompt-file PATH, --max-new-tokens N, --temperature X,
+//   --top-k N, --seed N, --threads N, --csv PATH
 //   --memory-limit SIZE
 // A chapter adds its own flags to the same parser. Text goes to stdout; everything else to stderr.
 //

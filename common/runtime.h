@@ -38,7 +38,8 @@ struct MemoryPlan {
 MemoryPlan plan_memory(const Checkpoint& checkpoint, const Backend& backend, int positions, int cache_positions,
                        int kv_rows = 0);
 // Throws UsageError, naming --memory-limit and what needs the memory, when the plan exceeds `limit`.
-void check_memory(const MemoryPlan& plan, std::int64_t limit);
+// `who` starts the line: what needs the memory.
+void check_memory(const MemoryPlan& plan, std::int64_t limit, const std::string& who = "this run");
 
 // Whether the prompt plus --max-new-tokens must fit the model's context (a chapter), or the caller cuts
 // its own prompts from a longer text (a benchmark).
@@ -55,8 +56,9 @@ class Runtime {
           int longest_sequence = 0, int kv_rows = 0);
   Runtime(const Runtime&) = delete;
 
-  // The KV caches this run will hold at its peak, in bytes, when they differ from one cache of the run's
-  // longest sequence (the default plan): re-checks --memory-limit (throws UsageError) and updates the plan.
+  // The KV caches this run will hold at its peak, in bytes (the constructor's plan has none: every chapter's
+  // caches differ): re-checks --memory-limit (throws UsageError) and updates the plan. A chapter calls it before
+  // it makes its caches.
   void plan_kv_cache(std::int64_t bytes);
   // Memory the run allocates beside the model and the KV caches (a second model, measurement buffers: `what`
   // says which), host or backend: re-checks --memory-limit (throws UsageError) and updates the plan.

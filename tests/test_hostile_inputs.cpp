@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <csignal>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -551,6 +552,28 @@ TEST_CASE("memory: a huge trained context does not make a short run allocate for
   const auto limited = run_command(binary("01_naive_generation") + small_model() + " --max-new-tokens 3 --memory-limit 1KiB");
   CHECK(limited.exit_code == 2);
   CHECK(limited.err.find("more than --memory-limit 1 KiB") != std::string::npos);
+  // Naive generation keeps no cache, and the plan it is refused with counts none (it once counted one for the
+  // whole sequence, and refused runs that fit); chapter 02's, which keeps one, does.
+  CHECK(limited.err.find("+ KV cache") == std::string::npos);
+  // The model did not fit: refused before it was made, saying that the caches are still to come.
+  CHECK(limited.err.find("the model, before any KV cache, needs") != std::string::npos);
+  const auto naive_plan = run_command(binary("01_naive_generation") + small_model() + " --max-new-tokens 3");
+  CHECK(naive_plan.exit_code == 0);
+  const std::size_t equals = naive_plan.err.find(" = ", naive_plan.err.find("memory: weights"));
+  REQUIRE(equals != std::string::npos);
+  const std::string total = naive_plan.err.substr(equals + 3, naive_plan.err.find('\n', equals) - equals - 3);
+  CAPTURE(total);
+  // Its own total, rounded up at the printed digit, is enough (0.1 KiB above it; one KV cache of its 17 positions,
+  // which it once counted, is 17 KiB).
+  REQUIRE(total.ends_with(" KiB"));
+  char limit[32];
+  std::snprintf(limit, sizeof limit, "%.1fKiB", std::stod(total) + 0.1);
+  const auto at_total = run_command(binary("01_naive_generation") + small_model() + " --max-new-tokens 3 --memory-limit " + limit);
+  CHECK(at_total.exit_code == 0);
+  // A chapter that keeps a cache is refused with it, once the model fits.
+  const auto cached = run_command(binary("02_dynamic_cache") + small_model() + " --max-new-tokens 3 --memory-limit " + limit);
+  CHECK(cached.exit_code == 2);
+  CHECK(cached.err.find("+ KV cache") != std::string::npos);
   // Chapter 04's recall distances on a context this long: the filler between the copies is cut from the held-out
   // text's second half, and a distance it has no room for is refused (up to half the text passed, and the last
   // passages' fillers, cut short, put their repeats nearer than the distance said).

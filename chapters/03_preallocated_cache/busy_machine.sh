@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Decode on a busy machine: chapter 03 generates --max-new-tokens tokens with --threads 1 and --threads 2,
+# Decode on a busy machine: chapter 03 generates --tokens tokens (default 1000) with --threads 1 and --threads 2,
 # first on an idle machine, then while BUSY other processes (default 2) each keep a core busy with a
 # plain loop. Prints, per run, the whole generation's wall time and the per-token p50 and p99; writes them
 # to CSV (default plots/data/busy_machine.csv): load, threads, run, total_ms, decode_ms_p50, decode_ms_p99.

@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
   kvs::add_common_flags(parser, options, '"' + std::string(kDefaultPrompt) + '"');
   parser.add_int("--max-context", "positions to allocate the cache for (default: prompt + new tokens)", &max_context, 1,
                  1 << 21);
-  parser.add_int("--prefill-chunk", "prefill the prompt in chunks of C positions (default 0: all at once)",
+  parser.add_int("--prefill-chunk", "prefill the prompt in chunks of N positions (default 0: all at once)",
                  &prefill_chunk, 0, 1 << 21);
   parser.add_bytes("--memory-budget", "memory (weights + KV cache) for the context-wall table, e.g. 80GiB (default 24GiB)", &budget);
   parser.add_check([&] {  // with none there is no prefill either: the CSV would hold a row of zeros as timings
