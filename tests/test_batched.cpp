@@ -619,13 +619,32 @@ TEST_CASE("scheduler: every request's greedy tokens equal the request served alo
       CHECK(stats.peak_running > 1);
     }
   }
-  // Static batching gives the same tokens.
+  // Static batching gives the same tokens. Its batch is as large as --max-batch and the free blocks allow, whatever
+  // one step's token budget: prompts of 10, 17, 24 and 31 tokens (82) in steps of 16 tokens are one batch of 4,
+  // prefilled over 5 steps, all 4 in the forward pass of the fourth (it once admitted only what the first step's
+  // budget reached, 2 sequences). In 6 blocks of 16 positions the first batch is the 3 whose prompts' blocks fit
+  // together (1 + 2 + 2), and these lengths grow to 1 + 2 + 3 blocks: no preemption. (Admitted against the blocks
+  // of their first chunks alone, all 4 joined and one was preempted when the prompts outgrew the pool.)
   std::vector<Request> requests;
   for (int i = 0; i < 4; ++i) requests.push_back(Request{encode_bytes(text.substr(5000 + 300 * i, 10 + 7 * i)), 5 + 3 * i, 0});
-  BlockPool pool(cpu, model.config(), 200, 16, 4, model.config().seq_len);
-  std::vector<RequestResult> results;
-  serve(model, pool, requests, SchedulerOptions{.batching = Batching::kStatic, .max_batch = 2, .token_budget = 32}, results);
-  for (std::size_t i = 0; i < requests.size(); ++i) CHECK(results[i].output == serve_alone(model, requests[i]));
+  struct StaticRun {
+    int max_batch, token_budget, blocks, expected_batch;
+  };
+  for (const StaticRun run : {StaticRun{2, 32, 200, 2}, StaticRun{4, 16, 200, 4}, StaticRun{4, 16, 6, 3}}) {
+    CAPTURE(run.max_batch);
+    CAPTURE(run.token_budget);
+    CAPTURE(run.blocks);
+    BlockPool pool(cpu, model.config(), run.blocks, 16, 4, model.config().seq_len);
+    std::vector<RequestResult> results;
+    const RunStats stats = serve(model, pool, requests,
+                                 SchedulerOptions{.batching = Batching::kStatic, .max_batch = run.max_batch,
+                                                  .token_budget = run.token_budget},
+                                 results);
+    for (std::size_t i = 0; i < requests.size(); ++i) CHECK(results[i].output == serve_alone(model, requests[i]));
+    CHECK(stats.peak_running == run.expected_batch);
+    CHECK(stats.preemptions == 0);
+    check_token_accounting(requests, stats);
+  }
 }
 
 // The token accounting through repeated preemptions: 8 requests of 30 to 44 new tokens in a pool of 8 or 16 blocks

@@ -20,7 +20,7 @@ struct Setup {
   PoolFormat format;              // how the pool stores its rows (--kv-format, chapter 10)
   SchedulerOptions options;
   std::vector<int> batch_sizes, block_sizes;
-  int rounds = 3;                 // throughput: measurements of every batch size, interleaved
+  int rounds = 3;                 // throughput, batching: measurements of every batch size or kind, interleaved
   std::string csv;
 };
 

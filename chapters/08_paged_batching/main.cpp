@@ -53,8 +53,8 @@ int main(int argc, char** argv) {
   parser.add_int("--token-budget", "tokens in one step, decode tokens and prompt chunks (default 256)", &token_budget, 1, 1 << 16);
   parser.add_int("--watermark", "blocks an admission leaves free while sequences run (default 0)", &watermark, 0, 1 << 30);
   parser.add_string("--batch-sizes", "LIST", "throughput: batch sizes (default 1,2,4,8,16,32,64)", &batch_sizes);
-  parser.add_int("--rounds", "throughput: measurements of every batch size, the sizes in turn; the table shows the\n"
-                 "median (default 3)", &rounds, 1, 1000);
+  parser.add_int("--rounds", "throughput: measurements of every batch size, the sizes in turn; batching: runs of each\n"
+                 "kind, the kinds in turn, after one untimed; the table shows the median (default 3)", &rounds, 1, 1000);
   parser.add_string("--synthetic", "DIM,LAYERS,HEADS,KV_HEADS",
                     "throughput: instead of the shipped model, random weights of this shape (as 03_benchmark's, e.g.\n"
                     "1024,8,8,2: 0.4 GB), a model too large for the caches, where batching pays; give --kv-memory for\n"
@@ -97,7 +97,7 @@ int main(int argc, char** argv) {
   // both kinds, preemption its own watermarks (refused above, by name).
   parser.add_read_only_by("--experiment", &experiment,
                           {{"--batch-sizes", {"throughput"}},
-                           {"--rounds", {"throughput"}},
+                           {"--rounds", {"throughput", "batching"}},
                            {"--block-sizes", {"memory"}},
                            {"--block-size", {"serve", "throughput", "batching", "preemption", "break"}},
                            {"--mean-gap", {"serve", "memory", "batching", "preemption", "break"}},

@@ -12,7 +12,8 @@
 //      blocks are free - what vLLM does by default;
 //   3. continuous batching admits waiting requests into the same step while sequence slots, the token budget
 //      and free blocks allow (a whole prompt's blocks must be free); static batching admits a batch only when
-//      the previous one has completely finished;
+//      the previous one has completely finished, as many sequences as slots and free blocks allow, their prompts
+//      then prefilled within the token budget over the next steps;
 //   4. each sequence whose prompt is all in the cache samples its next token (greedy); a sequence that has
 //      its max_new_tokens finishes and gives its blocks back.
 // Steps are the clock requests arrive by (Request::arrival_step); wall times are measured.
