@@ -30,6 +30,12 @@ std::string backend_unavailable(const std::string& name) {
   return "unknown backend '" + name + "'; use --backend cpu, --backend cuda or --backend cuda-harness";
 }
 
+std::string timed_run_refuses_harness(const std::string& name, const std::string& what) {
+  if (name != "cuda-harness") return "";
+  return what + " times its steps, and --backend cuda-harness runs the CUDA kernels on the CPU, one fiber per GPU "
+         "thread: its timings are neither GPU nor CPU numbers; use --backend cuda (a GPU) or cpu";
+}
+
 namespace {
 
 #if defined(KVS_HAVE_CUDA) || defined(KVS_HAVE_CUDA_HARNESS_MODULE)

@@ -785,6 +785,7 @@ TEST_CASE("08_paged_batching --experiment throughput --synthetic: a chosen shape
     CHECK(device.exit_code == 0);
     CHECK(device.err.find("memory floor: the step's bytes at the device's copy bandwidth") != std::string::npos);
     CHECK(device.err.find(" + roofline probes ") != std::string::npos);  // the copy probe's buffers, planned
+    CHECK(device.err.find("its timings are neither GPU nor CPU numbers") != std::string::npos);
   }
 #endif
   const std::size_t buffers = r.err.find("working buffers ");

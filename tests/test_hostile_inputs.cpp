@@ -458,6 +458,13 @@ TEST_CASE("inputs: --backend cuda-harness runs a chapter through the CUDA kernel
   CHECK(harness.err.find("CUDA harness") != std::string::npos);  // the backend says what it is
   CHECK(harness.out == run_command(ch03 + " --backend cpu").out);
   CHECK(bench.err.find("its timings are neither GPU nor CPU numbers") != std::string::npos);
+  // The timed runs refuse it (chapter 08's throughput accepts it, to run its GPU path, and says so: test_batched).
+  for (const std::string timed : {"08_paged_batching --experiment batching", "10_quantized_cache --experiment speed"}) {
+    CAPTURE(timed);
+    const auto refused = run_command(binary(timed) + " --backend cuda-harness");
+    CHECK(refused.exit_code == 2);
+    CHECK(refused.err.find("times its steps, and --backend cuda-harness runs the CUDA kernels on the CPU") != std::string::npos);
+  }
 #else
   CHECK(harness.exit_code == 2);
   CHECK(harness.err.find("this build has no CUDA harness") != std::string::npos);

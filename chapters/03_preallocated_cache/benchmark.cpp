@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "../02_dynamic_cache/growing_kv_cache.h"
+#include "backends.h"
 #include "breakdown.h"
 #include "context_wall.h"
 #include "cli.h"
@@ -116,10 +117,7 @@ int main(int argc, char** argv) {
     if (parser.given("--naive-tokens") && naive_tokens > options.max_new_tokens)
       return "--naive-tokens " + std::to_string(naive_tokens) + " is more than --max-new-tokens " +
              std::to_string(options.max_new_tokens) + "; give at most " + std::to_string(options.max_new_tokens);
-    if (options.backend == "cuda-harness")
-      return std::string("--backend cuda-harness runs the CUDA kernels on the CPU, one fiber per GPU thread: its "
-                         "timings are neither GPU nor CPU numbers; benchmark with --backend cuda (a GPU) or cpu");
-    return std::string();
+    return kvs::timed_run_refuses_harness(options.backend, "03_benchmark");
   });
   parser.parse(argc, argv);
 
@@ -250,7 +248,8 @@ int main(int argc, char** argv) {
       const Row &naive = rows[i], &concat = rows[i + 1], &chunked = rows[i + 2], &pre = rows[i + 3];
       auto cell = [&](const Row& r) {
         char out[32];
-        std::snprintf(out, sizeof out, "%.4f (%.0fx)", r.decode_ms, naive.decode_ms / r.decode_ms);
+        const double speedup = naive.decode_ms / r.decode_ms;  // below 10 with a decimal: a GPU's 0.44 printed "0x"
+        std::snprintf(out, sizeof out, speedup < 9.95 ? "%.4f (%.1fx)" : "%.4f (%.0fx)", r.decode_ms, speedup);
         return std::string(out);
       };
       std::fprintf(stderr, "%7d %10.3f %20s %20s %20s %11.2fx %12.2f", naive.prompt_tokens, naive.decode_ms,

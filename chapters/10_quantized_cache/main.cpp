@@ -10,6 +10,7 @@
 #include <string>
 
 #include "channels.h"
+#include "backends.h"
 #include "cli.h"
 #include "csv.h"
 #include "experiments.h"
@@ -147,6 +148,9 @@ int main(int argc, char** argv) {
     for (const char* name : {"compare", "memory", "quality", "recall", "speed", "channels"})
       if (experiment == name) return std::string();
     return "--experiment " + experiment + " is not one of compare, memory, quality, recall, speed, channels";
+  });
+  parser.add_check([&] {
+    return experiment == "speed" ? kvs::timed_run_refuses_harness(options.backend, "--experiment speed") : std::string();
   });
   parser.add_check([&] {
     if (experiment != "compare" || options.max_new_tokens >= 1) return std::string();
