@@ -963,6 +963,11 @@ TEST_CASE("trace files: requests parsed, a malformed line named with its number"
   CHECK_THROWS_WITH(parse_trace("0 5\n", "t.txt"), doctest::Contains("the prompt is empty"));
   CHECK_THROWS_WITH(parse_trace("0 5 a\\x\n", "t.txt"), doctest::Contains("backslash"));
   CHECK_THROWS_WITH(parse_trace("# nothing\n", "t.txt"), doctest::Contains("holds no request"));
+  try {  // the format it quotes is one line too: an error is one line (the format once carried --help's line breaks)
+    parse_trace("# nothing\n", "t.txt");
+  } catch (const std::runtime_error& e) {
+    CHECK(std::string(e.what()).find('\n') == std::string::npos);
+  }
   // A file written on Windows: each line's \r is its end, not a byte of the prompt (a blank line stays blank).
   const std::vector<Request> crlf = parse_trace("0 3 And God\r\n\r\n1 2 In the\r\n", "t.txt");
   REQUIRE(crlf.size() == 2);

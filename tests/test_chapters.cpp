@@ -671,6 +671,8 @@ TEST_CASE("chapter 06: the off-by-one cache fails the equivalence check the corr
   for (const char* flags : {"--shift 0", "--shift 2", "--max-new-tokens 0", "--experiment probes --max-new-tokens 5",
                             "--probe-tokens 5,x", "--experiment probes --probe-tokens 96"})
     CHECK(run_command(ch06 + " " + flags).exit_code == 2);
+  // --shift 2 names the two values it takes (it once said "from -1 to 1", as if 0 were one)
+  CHECK(run_command(ch06 + " --shift 2").err.find("--shift 2: the write index's error is 1 or -1") != std::string::npos);
 }
 
 TEST_CASE("chapters 08 and 09: text on stdout comes before the report after it on stderr, into a pipe or a file too") {

@@ -103,7 +103,8 @@ void report_run(Model& model, std::span<const int> prompt, int new_tokens, const
 
   // Per step.
   const int group = config.group();
-  std::fprintf(stderr, "\nper step (KL and |dlogit| teacher-forced: the clean tokens fed to the corrupted cache; attention: "
+  std::fprintf(stderr, "\nper step (same: the two free-running texts' tokens at this step; KL and |dlogit| teacher-forced: "
+                       "the clean tokens fed to the corrupted cache; attention: "
                        "each query head of KV head %d on position %d, layer %d)\n", c.kv_head, c.position, c.layer);
   std::fprintf(stderr, "  %5s %5s %5s %10s %10s %*s %*s %12s %12s\n", "step", "pos", "same", "KL", "max|dlogit|", 6 * group,
                "attn clean", 6 * group, "attn broken", "KL restored", "KL all rest.");

@@ -71,7 +71,8 @@ void run(kvs::Runtime& rt, int shift, int new_tokens, int every, kvs::CsvWriter&
                                 std::span<const int>(free.tokens).subspan(prompt_len), first, kvs::ch05::colour_output());
   std::cout.flush();
 
-  std::fprintf(stderr, "\nper step (KL and |dlogit| teacher-forced: the correct run's tokens fed to the off-by-one cache)\n"
+  std::fprintf(stderr, "\nper step (same: the two free-running texts' tokens at this step; KL and |dlogit| teacher-forced: "
+                       "the correct run's tokens fed to the off-by-one cache)\n"
                        "  %5s %5s %5s %10s %11s\n", "step", "pos", "same", "KL", "max|dlogit|");
   for (int s = 0; s < new_tokens; ++s) {
     if (s < 4 || s % every == 0 || s == first || s == new_tokens - 1)
@@ -149,7 +150,7 @@ int main(int argc, char** argv) {
   kvs::CommonOptions options;
   options.max_new_tokens = 200;
   std::string experiment = "run";
-  int shift = 1, every = 10, prompts = 40;
+  int every = 10, prompts = 40;
   std::string probe_tokens = "5,10,20,50,100,200,400";
   kvs::ArgParser parser(
       "06_break_off_by_one",
@@ -160,18 +161,23 @@ int main(int argc, char** argv) {
       "--experiment probes: --prompts held-out prompts, one run of 400 tokens each: how many probes of 5..400\n"
       "    tokens pass, checking tokens only and tokens + logits; both shifts unless --shift is given.\n"
       "CSV columns (--csv):\n"
-      "  run: step, position, correct_token, broken_token, tokens_match, kl, max_abs_logit\n"
+      "  run: step, position, correct_token, broken_token, tokens_match (of the free-running texts), kl,\n"
+      "      max_abs_logit (the largest |difference| of a logit; kl and it teacher-forced)\n"
       "  probes: shift, probe_tokens, prompts, passed_tokens_only, passed_tokens_and_logits");
   kvs::add_common_flags(parser, options, '"' + std::string(kDefaultPrompt) + '"', kvs::CommonFlags::kGreedy);
   parser.add_string("--experiment", "NAME", "run or probes (default run)", &experiment);
-  parser.add_int("--shift", "the write index's error: 1 or -1 (default 1)", &shift, -1, 1);
+  // Two values, checked below by name (as a whole number from -1 to 1, "--shift 2" was refused "from -1 to 1", as if
+  // 0 were one of them).
+  std::string shift_text = "1";
+  parser.add_string("--shift", "N", "the write index's error: 1 or -1 (default 1)", &shift_text);
   parser.add_int("--every", "run: print every Nth step of the table (default 10)", &every, 1, 1000000);
   parser.add_int("--prompts", "probes: prompts (default 40)", &prompts, 1, 1000);
   parser.add_string("--probe-tokens", "LIST", "probes: probe lengths in generated tokens (default 5,10,20,50,100,200,400)",
                     &probe_tokens);
   parser.add_check([&] {
     if (experiment != "run" && experiment != "probes") return "--experiment '" + experiment + "': use run or probes";
-    if (shift == 0) return std::string("--shift 0 is the correct cache (chapter 03); use 1 or -1");
+    if (shift_text == "0") return std::string("--shift 0 is the correct cache (chapter 03); use 1 or -1");
+    if (shift_text != "1" && shift_text != "-1") return "--shift " + shift_text + ": the write index's error is 1 or -1";
     // With no step to compare, both caches would "pass" and the run would say nothing true.
     if (options.max_new_tokens < 1) return std::string("--max-new-tokens: at least 1 (the caches are compared step by step)");
     return std::string();
@@ -185,6 +191,7 @@ int main(int argc, char** argv) {
                            {"--prompts", {"probes"}},
                            {"--probe-tokens", {"probes"}}});
   parser.parse(argc, argv);
+  const int shift = shift_text == "-1" ? -1 : 1;  // checked above: "1" or "-1"
 
   return kvs::run_main(parser, [&] {
     std::vector<int> lengths = kvs::parse_int_list("--probe-tokens", probe_tokens, 1, 1 << 20);

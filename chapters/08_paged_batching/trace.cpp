@@ -13,9 +13,10 @@ namespace {
 constexpr int kMaxArrivalStep = 1 << 24;  // a request arriving later than 16.7M steps in is a mistake
 }  // namespace
 
+// One line (an error message quotes it; --help wraps it).
 const char* const kTraceFormat =
-    "one request a line, \"ARRIVAL_STEP MAX_NEW_TOKENS PROMPT\": the prompt is the rest of the line after one\n"
-    "space (\\n in it is a newline, \\\\ a backslash); empty lines and lines starting with # are skipped; a line\n"
+    "one request a line, \"ARRIVAL_STEP MAX_NEW_TOKENS PROMPT\": the prompt is the rest of the line after one "
+    "space (\\n in it is a newline, \\\\ a backslash); empty lines and lines starting with # are skipped; a line "
     "may end in \\r\\n (a file written on Windows)";
 
 std::vector<Request> parse_trace(const std::string& text, const std::string& name) {
