@@ -399,7 +399,7 @@ TEST_CASE("inputs: a flag the chosen experiment would ignore is refused, and so 
            {"06_break_off_by_one --experiment probes --every 3", "--every is for --experiment run, not probes"},
            {"08_paged_batching --batch-sizes 1,2", "--batch-sizes is for --experiment throughput, not serve: drop it"},
            {"08_paged_batching --experiment throughput --max-batch 4", "--max-batch is for --experiment serve, batching,"},
-           {"08_paged_batching --kv-format int8 --int4-group 8", "--int4-group is for --kv-format int4, not int8"},
+           {"08_paged_batching --kv-format int8 --group 8", "--group is for --kv-format int4, not int8"},
            {"09_prefix_sharing --experiment prefix --temperature 0.5",
             "--temperature is for --experiment samples, sampling or break, not prefix: drop it"},
            {"09_prefix_sharing --experiment mixed --counts 1,2", "--counts is for --experiment prefix or sampling, not mixed"},

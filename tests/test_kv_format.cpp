@@ -245,7 +245,7 @@ TEST_CASE("chapter 08 with chapter 10's formats: --kv-format serves from a coded
   CHECK(r.err.find("a pool of 5 blocks of 16 positions") != std::string::npos);  // 64 KiB / (16 · 720 B): fp32 would hold 1
   CHECK(r.err.find("(a pool of its own, same format)") != std::string::npos);
   CHECK(r.err.find("4 of 4 outputs identical") != std::string::npos);
-  for (const std::string flags : {"--kv-format int3", "--kv-format int4 --int4-group 12", "--kv-format int4 --int4-group 0"}) {
+  for (const std::string flags : {"--kv-format int3", "--kv-format int4 --group 12", "--kv-format int4 --group 0"}) {
     CAPTURE(flags);
     const auto bad = kvs::test::run_command(bin + " " + flags);
     CHECK(bad.exit_code == 2);

@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
   parser.add_bytes("--kv-memory", "memory of the block pool, e.g. 64MiB (default 32MiB)", &kv_memory);
   parser.add_string("--kv-format", "NAME", "how the pool stores K/V: fp32 (default), fp16, bf16, int8 or int4 (chapter 10)",
                     &kv_format);
-  parser.add_int("--int4-group", "int4: channels per scale (default 32)", &int4_group, 2, 1 << 16);
+  parser.add_int("--group", "int4: channels per scale and minimum (default 32), as chapter 10's --group", &int4_group, 2, 1 << 16);
   parser.add_string("--batching", "KIND", "continuous (default) or static", &batching);
   parser.add_int("--max-batch", "sequences in one step (default 64)", &max_batch, 1, 4096);
   parser.add_int("--token-budget", "tokens in one step, decode tokens and prompt chunks (default 256)", &token_budget, 1, 1 << 16);
@@ -96,8 +96,8 @@ int main(int argc, char** argv) {
            ": every sequence of a step brings at least one token";
   });
   parser.add_check([&] {
-    if (kv_format == "int4" || !parser.given("--int4-group")) return std::string();
-    return "--int4-group is for --kv-format int4, not " + kv_format + ": drop it";
+    if (kv_format == "int4" || !parser.given("--group")) return std::string();
+    return "--group is for --kv-format int4, not " + kv_format + ": drop it";
   });
   // What each experiment reads (experiments.cpp): throughput runs its own batches (every sequence decoding, all
   // at once, continuous), memory sweeps --block-sizes with a step as wide as the token budget, batching runs
@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
     kvs::Runtime rt(options, "x", kvs::PromptFit::kCutByCaller, token_budget, synthetic ? prompts[0] + outputs[1] : -1);
     const kvs::ModelConfig& c = rt.model.config();
     if (const std::string why = kvs::kv_format_shape_error(pool_format.format, c.head_dim(), int4_group); !why.empty())
-      throw kvs::UsageError("--int4-group " + std::to_string(int4_group) + ": " + why);
+      throw kvs::UsageError("--group " + std::to_string(int4_group) + ": " + why);
     pool_format.int4_group = int4_group;  // before the plan below sizes blocks of this format
     // The pool, and the cache a request served alone uses for the check (chapter 03's, or a one-sequence pool); the
     // throughput experiment checks nothing against a request alone.
