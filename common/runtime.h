@@ -24,7 +24,7 @@ std::string describe_setup(const Checkpoint& checkpoint, const Backend& backend)
 struct MemoryPlan {
   std::int64_t weights = 0;         // the model's weights in backend memory (Model::weight_bytes)
   std::int64_t working = 0;         // the model's working buffers (Model::working_bytes)
-  std::int64_t kv_cache = 0;        // the KV cache of the run's longest sequence (0: no cache)
+  std::int64_t kv_cache = 0;        // the KV caches the chapter planned, at their peak (plan_kv_cache; 0 until then)
   int positions = 0;                // the longest call: what the buffers and the cache are sized for
   int kv_rows = 0;                  // the most rows a cache shows attention
   std::int64_t host_weights = 0;    // --synthetic: the generated weights the host holds (a file's are mapped)

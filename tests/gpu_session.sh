@@ -153,7 +153,7 @@ step_chunks() {
     # The default's cut first, the products' warps next (the default's row is their baseline), then the other
     # cuts: a call stopped at its time limit keeps the comparisons it finished (the archive follows every run).
     chunk_list=(${CHUNKS:-64,16 64,64 128,16 256,16})
-    setting_runs "chunks-${chunk_list[0]/,/-}_$round" KVS_DECODE_CHUNKS="${chunk_list[0]}" "round $round"
+    ((${#chunk_list[@]})) && setting_runs "chunks-${chunk_list[0]/,/-}_$round" KVS_DECODE_CHUNKS="${chunk_list[0]}" "round $round"
     for warps in ${GEMV_WARPS:-1 2}; do
       setting_runs "gemv-warps-${warps}_$round" KVS_GEMV_WARPS="$warps" "round $round"
     done

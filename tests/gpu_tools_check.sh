@@ -16,7 +16,7 @@ fi
 grep -q "no step 'nonsense'" "$work/refused.log" || { echo "gpu_session.sh refused an unknown step without naming it"; exit 1; }
 # A step whose runs fail (here: no binaries in an empty folder, so every one exits 127) makes the session exit 1 and
 # list them; it once exited 0 after failed tests, with the archive's tar the last status.
-if (cd "$work" && mkdir empty && cd empty && bash "$root/tests/gpu_session.sh" "$work/failing" "" chapters) >"$work/failing.log" 2>&1; then
+if (cd "$work" && mkdir empty && cd empty && env -u GPU_SESSION_ARCHIVE bash "$root/tests/gpu_session.sh" "$work/failing" "" chapters) >"$work/failing.log" 2>&1; then
   echo "gpu_session.sh exited 0 after its runs failed"; cat "$work/failing.log"; exit 1
 fi
 grep -q "^FAILED, 7:" "$work/failing.log" || { echo "gpu_session.sh did not list its 7 failed runs"; cat "$work/failing.log"; exit 1; }
@@ -25,10 +25,13 @@ grep -q "^  chapter 10 speed (exit 127)" "$work/failing.log" || { echo "gpu_sess
 # the same step again with a tar that counts its calls, 7 runs and the step's end. Then the archive holds the runs'
 # logs, and no half-written one is left.
 mkdir "$work/bin"
-printf '#!/bin/sh\necho >>"%s/tar_calls"\nexec %s "$@"\n' "$work" "$(command -v tar)" >"$work/bin/tar"
+printf '#!/bin/sh\necho "$2" >>"%s/tar_calls"\nexec %s "$@"\n' "$work" "$(command -v tar)" >"$work/bin/tar"  # $2: -czf's file
 chmod +x "$work/bin/tar"
-(cd "$work/empty" && PATH="$work/bin:$PATH" bash "$root/tests/gpu_session.sh" "$work/counted" "" chapters) >/dev/null 2>&1 || true
+(cd "$work/empty" && env -u GPU_SESSION_ARCHIVE PATH="$work/bin:$PATH" bash "$root/tests/gpu_session.sh" "$work/counted" "" chapters) \
+  >/dev/null 2>&1 || true
 calls=$(wc -l <"$work/tar_calls")
+# written aside every time (then renamed): a call stopped during tar keeps the last whole archive
+[[ $(sort -u "$work/tar_calls") == "$work/counted.tgz.part" ]] || { echo "gpu_session.sh wrote its archive in place:"; cat "$work/tar_calls"; exit 1; }
 [[ $calls == 8 ]] || { echo "gpu_session.sh archived $calls times in a step of 7 runs (expected 8: after each run and at the end)"; exit 1; }
 tar -tzf "$work/counted.tgz" | grep -q 'counted/kv_format_speed_gpu.log' || { echo "the archive lacks the step's last log"; exit 1; }
 [[ ! -e $work/counted.tgz.part ]] || { echo "gpu_session.sh left a half-written archive"; exit 1; }

@@ -621,7 +621,7 @@ TEST_CASE("scheduler: every request's greedy tokens equal the request served alo
   }
   // Static batching gives the same tokens. Its batch is as large as --max-batch and the free blocks allow, whatever
   // one step's token budget: prompts of 10, 17, 24 and 31 tokens (82) in steps of 16 tokens are one batch of 4,
-  // prefilled over 5 steps, all 4 in the forward pass of the fourth (it once admitted only what the first step's
+  // prefilled over 6 steps, all 4 in the forward pass of the fourth (it once admitted only what the first step's
   // budget reached, 2 sequences). In 6 blocks of 16 positions the first batch is the 3 whose prompts' blocks fit
   // together (1 + 2 + 2), and these lengths grow to 1 + 2 + 3 blocks: no preemption. (Admitted against the blocks
   // of their first chunks alone, all 4 joined and one was preempted when the prompts outgrew the pool.)
@@ -753,6 +753,23 @@ TEST_CASE("08_paged_batching --experiment preemption: watermarks 0 to 8 preempt 
   CHECK(refused.exit_code == 2);
   CHECK(std::count(refused.err.begin(), refused.err.end(), '\n') == 1);
   CHECK(refused.err.find("drop --watermark") != std::string::npos);
+}
+
+// The batching experiment: an untimed run of each kind, then --rounds runs of each, the median's row; the counts
+// (steps, idle slots) are the same in every run. (That a static batch fills its slots: the scheduler's test.)
+TEST_CASE("08_paged_batching --experiment batching: --rounds runs of each kind, the median's row") {
+  const std::string bin = std::string(KVS_BIN_DIR) + "/08_paged_batching";
+  const std::string run = bin + " --experiment batching --requests 4 --mean-gap 0 --prompt-lengths 40,48 --output-lengths 4,6 "
+                                "--max-batch 4 --token-budget 32 --threads 1";
+  const auto r = test::run_command(run + " --rounds 2");
+  CAPTURE(r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("2 runs of each, the median's:") != std::string::npos);
+  CHECK(r.err.find(" continuous ") != std::string::npos);
+  CHECK(r.err.find("     static ") != std::string::npos);
+  const auto refused = test::run_command(bin + " --experiment memory --rounds 2");
+  CHECK(refused.exit_code == 2);
+  CHECK(refused.err.find("--rounds") != std::string::npos);
 }
 
 // --synthetic for the throughput experiment: random weights of a chosen shape (a model too large for the caches, where

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -365,6 +366,20 @@ TEST_CASE("03_benchmark: a small sweep runs, every cache matches naive, and the 
   CHECK(r.err.find("tokens differ") == std::string::npos);
   CHECK(count_lines(csv) == 1 + 2 * 4);  // header + (2 lengths x 4 methods)
   CHECK(count_lines(mem) == 1 + 2 * 3);  // the three caches
+  // The table's speedups: below 10 with a decimal (a GPU's 0.44 once printed "(0x)"), from 10 on without. A prompt of
+  // one token and 2 naive tokens makes naive about as fast as a cache (1.3x here), 40 positions 14x and more.
+  const auto small = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") +
+                                 " --lengths 1,40 --max-new-tokens 40 --naive-tokens 2 --repeats 1 --threads 1");
+  CAPTURE(small.err);
+  const std::regex speedup(R"(\(([0-9.]+)x\))");
+  int speedups = 0;
+  for (auto it = std::sregex_iterator(small.err.begin(), small.err.end(), speedup); it != std::sregex_iterator();
+       ++it, ++speedups) {
+    const std::string number = (*it)[1];
+    CAPTURE(number);
+    CHECK((number.find('.') != std::string::npos) == (std::stod(number) < 9.95));
+  }
+  CHECK(speedups == 2 * 3);  // 2 lengths x the three caches
   const auto bad = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") + " --lengths 8,x");
   CHECK(bad.exit_code == 2);
   CHECK(bad.err.find("--lengths expects whole numbers from 1 to") != std::string::npos);

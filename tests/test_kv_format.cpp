@@ -251,4 +251,6 @@ TEST_CASE("chapter 08 with chapter 10's formats: --kv-format serves from a coded
     CHECK(bad.exit_code == 2);
     CHECK(std::count(bad.err.begin(), bad.err.end(), '\n') == 1);
   }
+  // --group 12 is read (an unknown flag would be refused too): the refusal names the group and why
+  CHECK(kvs::test::run_command(bin + " --kv-format int4 --group 12").err.find("--group 12: ") != std::string::npos);
 }

@@ -166,7 +166,9 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
     // 3. admissions
     // Static batching forms its whole batch now, up to the batch limit, whatever this step's token budget: the
     // sequences past the budget prefill in the next steps, in admission order, each with its whole prompt's blocks
-    // counted here (it holds none of them yet), so the batch it admits fits its prompts. (Limited by this step's
+    // counted here (it holds none of them yet), so the batch's prompts fit when it is admitted. (Later steps count
+    // the blocks actually free: a member that decodes into a new block can take one a later member's prompt was
+    // counted on, and that one is then preempted, as a sequence growing in a full pool is.) (Limited by this step's
     // budget, as continuous batching's admissions are, a static batch of the book's requests, prompts of 124 tokens
     // on average, held up to 5 sequences where --max-batch said 16: the comparison measured that cap.)
     const bool static_batch = options.batching == Batching::kStatic;
