@@ -164,13 +164,12 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
       free_blocks -= needed, budget -= s.take;
     }
     // 3. admissions
-    // Static batching forms its whole batch now, up to the batch limit, whatever this step's token budget: the
-    // sequences past the budget prefill in the next steps, in admission order, each with its whole prompt's blocks
-    // counted here (it holds none of them yet), so the batch's prompts fit when it is admitted. (Later steps count
-    // the blocks actually free: a member that decodes into a new block can take one a later member's prompt was
-    // counted on, and that one is then preempted, as a sequence growing in a full pool is.) (Limited by this step's
-    // budget, as continuous batching's admissions are, a static batch of the book's requests, prompts of 124 tokens
-    // on average, held up to 5 sequences where --max-batch said 16: the comparison measured that cap.)
+    // Static batching forms its whole batch now, up to the batch limit, whatever this step's token budget (limited
+    // by it, as continuous batching's admissions are, a batch of the book's requests held 5 where --max-batch said
+    // 16, and the comparison measured that cap). The sequences past the budget prefill in the next steps, in
+    // admission order, each with its whole prompt's blocks counted here (it holds none of them yet), so the batch's
+    // prompts fit when it is admitted. Later steps count the blocks actually free: a member that decodes into a new
+    // block can take one a later member's prompt was counted on, which is then preempted, as in any full pool.
     const bool static_batch = options.batching == Batching::kStatic;
     const bool may_admit = !static_batch || running.empty();
     while (may_admit && !waiting.empty() && static_cast<int>(running.size()) < options.batch_limit() &&
