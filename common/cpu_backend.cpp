@@ -691,29 +691,40 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
   else for (int h = 0; h < shape.n_heads; ++h) one_head(h);
 }
 
-// A decode step of several sequences (chapter 08): where every part is one query over one run of rows - the
-// fast path of attention() above, attend_one_query - the parts are tasks of one pool run, each part whole on
-// one thread. One attention() call per part would hand each part's KV heads to the other threads only when the
-// part alone is worth it (kTaskMultiplyAdds), so a step of 64 sequences of 80 positions ran all its attention on
-// one thread while the others waited. Each part is the same call of attend_one_query that attention() makes
-// (every KV head in one sweep; split by KV head, each head's arithmetic is the same), so it gets the same bits.
-// Anything else - a prefill chunk, read-time rotation, a head the fast path lacks - takes the definition.
+// A step of several sequences (chapter 08): the parts the fast path of attention() above takes - one query over one
+// run of rows, attend_one_query - are tasks of one pool run, each part whole on one thread. One attention() call per
+// part would hand each part's KV heads to the other threads only when the part alone is worth it (kTaskMultiplyAdds),
+// so a step of 64 sequences of 80 positions ran all its attention on one thread while the others waited. Each part
+// is the same call of attend_one_query that attention() makes (every KV head in one sweep; split by KV head, each
+// head's arithmetic is the same), so it gets the same bits. The other parts - a prefill chunk, read-time rotation,
+// a head the fast path lacks - take attention() one by one, first. (Once one such part sent the whole step to the
+// definition: continuous batching, whose steps mostly carry a new prompt's chunk, ran its decode attention on one
+// thread, and static batching finished book 08's trace sooner.)
 void CpuBackend::attention_batch(float* out, const float* q, const int* positions, std::span<const AttentionPart> parts,
                                  const AttentionShape& shape, std::span<float> scratch) {
   const int head_dim = shape.head_dim, dim = shape.n_heads * head_dim, group = shape.n_heads / shape.n_kv_heads;
   // Each head's slice of the scratch holds kQueryBlock rows of max_rows scores (attention_scratch_floats):
   // task t takes row t of every head's slice, so tasks running at once never share scores.
   const std::size_t head_stride = scratch.size() / shape.n_heads, slot_floats = head_stride / kQueryBlock;
-  bool fast = parts.size() > 1;
+  // The kernel of a part the fast path takes and its visible rows [begin, end); null where attention() must take it.
+  auto fast_kernel = [&](const AttentionPart& p, int& begin, int& end) -> OneQueryKernel {
+    const OneQueryKernel kernel = one_query_run(p.kv, p.n, positions + p.offset, head_dim, begin, end);
+    return kernel && std::size_t(p.kv.rows) <= slot_floats && !(p.kv.coded() && head_dim > kMaxCodedHeadDim) ? kernel
+                                                                                                              : nullptr;
+  };
+  int fast_parts = 0;
   std::int64_t multiply_adds = 0;
-  for (std::size_t i = 0; fast && i < parts.size(); ++i) {  // what attention() would refuse takes the definition
-    const AttentionPart& p = parts[i];
+  for (const AttentionPart& p : parts) {
     int begin = 0, end = 0;
-    fast = one_query_run(p.kv, p.n, positions + p.offset, head_dim, begin, end) && std::size_t(p.kv.rows) <= slot_floats &&
-           !(p.kv.coded() && head_dim > kMaxCodedHeadDim);
-    multiply_adds += 2 * std::int64_t(end - begin) * shape.n_heads * head_dim;
+    if (fast_kernel(p, begin, end)) ++fast_parts, multiply_adds += 2 * std::int64_t(end - begin) * shape.n_heads * head_dim;
   }
-  if (!fast) return Backend::attention_batch(out, q, positions, parts, shape, scratch);
+  for (const AttentionPart& p : parts) {  // the parts not taken below (all of them where one or none is fast)
+    int begin = 0, end = 0;
+    const std::size_t at = std::size_t(p.offset) * dim;
+    if (fast_parts <= 1 || !fast_kernel(p, begin, end))
+      attention(out + at, q + at, positions + p.offset, p.n, p.kv, shape, scratch, nullptr);
+  }
+  if (fast_parts <= 1) return;  // one part alone: attention() splits its KV heads when it is worth it
 
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const int tasks = static_cast<int>(std::min<std::size_t>(parts.size(), kQueryBlock));
@@ -721,7 +732,8 @@ void CpuBackend::attention_batch(float* out, const float* q, const int* position
     for (std::size_t i = t; i < parts.size(); i += tasks) {
       const AttentionPart& p = parts[i];
       int begin = 0, end = 0;
-      const OneQueryKernel one_query = one_query_run(p.kv, p.n, positions + p.offset, head_dim, begin, end);
+      const OneQueryKernel one_query = fast_kernel(p, begin, end);
+      if (!one_query) continue;  // taken by attention() above
       const std::size_t at = std::size_t(p.offset) * dim;
       one_query(out + at, q + at, p.kv, begin, end, 0, shape.n_kv_heads, group, scale, scratch.data() + t * slot_floats,
                 head_stride);
