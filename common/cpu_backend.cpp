@@ -698,8 +698,8 @@ void CpuBackend::attention(float* out, const float* q, const int* positions, int
 // is the same call of attend_one_query that attention() makes (every KV head in one sweep; split by KV head, each
 // head's arithmetic is the same), so it gets the same bits. The other parts - a prefill chunk, read-time rotation,
 // a head the fast path lacks - take attention() one by one, first. (Once one such part sent the whole step to the
-// definition: continuous batching, whose steps mostly carry a new prompt's chunk, ran its decode attention on one
-// thread, and static batching finished book 08's trace sooner.)
+// definition: in continuous batching a step with a new prompt's chunk, one in six of book 08's trace, ran its decode
+// attention on one thread, one reason static batching finished that trace sooner.)
 void CpuBackend::attention_batch(float* out, const float* q, const int* positions, std::span<const AttentionPart> parts,
                                  const AttentionShape& shape, std::span<float> scratch) {
   const int head_dim = shape.head_dim, dim = shape.n_heads * head_dim, group = shape.n_heads / shape.n_kv_heads;
@@ -724,7 +724,7 @@ void CpuBackend::attention_batch(float* out, const float* q, const int* position
     if (fast_parts <= 1 || !fast_kernel(p, begin, end))
       attention(out + at, q + at, positions + p.offset, p.n, p.kv, shape, scratch, nullptr);
   }
-  if (fast_parts <= 1) return;  // one part alone: attention() splits its KV heads when it is worth it
+  if (fast_parts <= 1) return;  // one fast part or none, all taken above (attention() splits KV heads where worth it)
 
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const int tasks = static_cast<int>(std::min<std::size_t>(parts.size(), kQueryBlock));

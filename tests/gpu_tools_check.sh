@@ -34,8 +34,8 @@ calls=$(wc -l <"$work/tar_calls")
 [[ $(sort -u "$work/tar_calls") == "$work/counted.tgz.part" ]] || { echo "gpu_session.sh wrote its archive in place:"; cat "$work/tar_calls"; exit 1; }
 [[ $calls == 8 ]] || { echo "gpu_session.sh archived $calls times in a step of 7 runs (expected 8: after each run and at the end)"; exit 1; }
 # Listed to a file first: under pipefail, `tar -t | grep -q` fails whenever grep stops reading before tar has written
-# its last name (tar dies of SIGPIPE), which depends on the directory's order: it failed CI once.
-tar -tzf "$work/counted.tgz" >"$work/counted.list"
+# its last name (tar dies of SIGPIPE), which depends on the names' order and on timing: it failed CI once.
+tar -tzf "$work/counted.tgz" >"$work/counted.list" || { echo "cannot list the archive $work/counted.tgz"; exit 1; }
 grep -q 'counted/kv_format_speed_gpu.log' "$work/counted.list" || { echo "the archive lacks the step's last log"; exit 1; }
 [[ ! -e $work/counted.tgz.part ]] || { echo "gpu_session.sh left a half-written archive"; exit 1; }
 csv=$root/plots/data/gpu/breakdown_h100_synthetic_cuda_v6.csv

@@ -136,8 +136,8 @@ TEST_CASE("paged attention: equals the reference attention over the same view, N
 // views of 1 to 4,500 rows (the CUDA decoding kernel's rows fall in 1 to 64 chunks: sequences of one launch split
 // differently), every third windowed, NaN in every row no position holds; 3 sequences, and 70 (two CUDA launches
 // of up to 64 views; more sequences than the CPU's 64 tasks, so a task takes two); then a batch with a prefill
-// chunk in it, and one with attention sinks: the CPU's fast path cannot take that part, which takes attention()
-// alone, while its neighbours still take the fast path (the view of 4,500 rows makes it a pool run).
+// chunk in it, and one with attention sinks: in each the CPU's fast path cannot take one part, which takes
+// attention() alone, while its neighbours still take the fast path (the view of 4,500 rows makes it a pool run).
 TEST_CASE("batched attention: each sequence gets the bits of its attention alone, every backend") {
   const AttentionShape shape{4, 2, 32};  // head_dim 32: the CPU's one-query sweep with 16, 8 and 4-float packets
   const int kv_dim = shape.n_kv_heads * shape.head_dim, dim = shape.n_heads * shape.head_dim;
