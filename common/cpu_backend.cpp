@@ -230,8 +230,9 @@ OneQueryKernel one_query_run(const KvView& kv, int n, const int* positions, int 
 // two or more through its GEMM, which first copies ("packs") the weight slice it will read - for a few tokens that
 // copy costs more than the product: a decode step of two sequences took 2.7x the time of one (0.147 against 0.053
 // ms, book 08 before this path). Here each packet of weights is loaded once and multiplied into the sums of up to
-// kTileTokens tokens, with up to kAccumulators packets of running sums: a tile of one token spans 8 packets of
-// outputs, of two tokens 8 or 4, of more tokens fewer. (The totals, as many packets again, may not all fit in
+// kTileTokens tokens, with up to kAccumulators packets of running sums: with AVX-512 a tile of one token spans 8
+// packets of outputs, of two tokens 8 or 4, of more tokens fewer (16 registers: 6 for one token, 3, 2 and 1 for
+// two, three and four). (The totals, as many packets again, may not all fit in
 // registers beside them; the compiler keeps the rest on the stack, in L1, where Eigen's GEMV keeps all of its.)
 // More tokens than a tile: the tiles of tokens take the slice's inputs a chunk at a time (kChunkBytes of weights),
 // every tile through one chunk before the next, so the chunk is read from memory once and by the other tiles from
@@ -249,10 +250,22 @@ OneQueryKernel one_query_run(const KvView& kv, int n, const int* positions, int 
 // vs 33, 44 vs 68); a dim-1024 model's at 32 tokens 0.75x to 1.04x of GEMM's, at 64 between 0.78x (1024 x 2816)
 // and 1.2x (1024 x 1024) - about even over a layer. Above 64 tokens (prefill) GEMM's packing pays for itself.
 constexpr int kFewTokens = 64;
+// A tile's running sums and totals (2 x kAccumulators packets), its weights and an input must fit the registers.
+// Where there are 16 (x86 without AVX-512), 8 sums spilled: a tile of 4 tokens took 2 packets, 8 + 8 + 2 + 1 = 19.
+// 6 keeps that tile at one packet (10 registers). Measured on the shipped model's four products of a layer,
+// microseconds a token, one thread, an AMD EPYC running an AVX2 build (-march=haswell: a stand-in for an AVX2
+// machine, two runs): 8 tokens 5.95-6.49 -> 3.69-3.71, 64 tokens 5.89-6.01 -> 3.54-3.56 (Eigen's GEMM 3.23-3.29),
+// one token 4.4-5.4 either way (noise); an SSE2 build (CI's) one token 11.7-13.8 -> 7.6, 64 tokens 10.7-12.2 -> 8.8-9.2.
+// A dim-1024 model's at 64 tokens 449-469 -> 495-498, at 8 and one token within the noise; both about twice Eigen's
+// GEMM's time (216-242 at 64 tokens): kFewTokens above was measured with AVX-512 only, and on AVX2 Eigen would be
+// faster for 2 to 64 tokens, but would give a token in a batch other bits than alone. Each element's sum is the
+// same whatever the tile (above), so kAccumulators changes no bits.
 #ifdef EIGEN_VECTORIZE_AVX512
 constexpr int kTileTokens = 8, kAccumulators = 16;  // 32 registers
+#elif defined(__x86_64__) || defined(__i386__)
+constexpr int kTileTokens = 4, kAccumulators = 6;  // 16 registers (SSE, AVX)
 #else
-constexpr int kTileTokens = 4, kAccumulators = 8;  // 16 registers (SSE, AVX)
+constexpr int kTileTokens = 4, kAccumulators = 8;  // other instruction sets (NEON's 32 registers): not measured
 #endif
 constexpr int kSumBlock = 16;
 constexpr int kChunkBytes = 32 * 1024;  // an L1 data cache (AMD Zen; 48 KiB on recent Intel); 16, 64 KiB: slower
