@@ -231,9 +231,9 @@ OneQueryKernel one_query_run(const KvView& kv, int n, const int* positions, int 
 // copy costs more than the product: a decode step of two sequences took 2.7x the time of one (0.147 against 0.053
 // ms, book 08 before this path). Here each packet of weights is loaded once and multiplied into the sums of up to
 // kTileTokens tokens, with up to kAccumulators packets of running sums: with AVX-512 a tile of one token spans 8
-// packets of outputs, of two tokens 8 or 4, of more tokens fewer (16 registers: 6 for one token, 3, 2 and 1 for
-// two, three and four). (The totals, as many packets again, may not all fit in
-// registers beside them; the compiler keeps the rest on the stack, in L1, where Eigen's GEMV keeps all of its.)
+// packets of outputs, of two tokens 8 or 4, of more tokens fewer (with 16 registers: 6 packets for one token, 3, 2
+// and 1 for two, three and four). (The totals, as many packets again, may not all fit in registers beside them;
+// the compiler keeps the rest on the stack, in L1, where Eigen's GEMV keeps all of its.)
 // More tokens than a tile: the tiles of tokens take the slice's inputs a chunk at a time (kChunkBytes of weights),
 // every tile through one chunk before the next, so the chunk is read from memory once and by the other tiles from
 // L1; between chunks a tile's totals wait in `out`. Without chunks, 32 tokens of a synthetic model of dim 1024
