@@ -137,7 +137,8 @@ TEST_CASE("paged attention: equals the reference attention over the same view, N
 // differently), every third windowed, NaN in every row no position holds; 3 sequences, and 70 (two CUDA launches
 // of up to 64 views; more sequences than the CPU's 64 tasks, so a task takes two); then a batch with a prefill
 // chunk in it, and one with attention sinks: in each the CPU's fast path cannot take one part, which takes
-// attention() alone, while its neighbours still take the fast path (the view of 4,500 rows makes it a pool run).
+// attention() alone, while its neighbours still take the fast path (the view of 4,500 rows makes it a pool run);
+// and a chunk beside one decode query, where the CPU takes both through attention().
 TEST_CASE("batched attention: each sequence gets the bits of its attention alone, every backend") {
   const AttentionShape shape{4, 2, 32};  // head_dim 32: the CPU's one-query sweep with 16, 8 and 4-float packets
   const int kv_dim = shape.n_kv_heads * shape.head_dim, dim = shape.n_heads * shape.head_dim;
@@ -154,7 +155,8 @@ TEST_CASE("batched attention: each sequence gets the bits of its attention alone
       std::normal_distribution<float> normal(0.0f, 1.0f);
       enum class Kind { kDecode, kPrefillChunk, kSinks };
       for (const auto& [sequences, kind] : {std::pair{3, Kind::kDecode}, std::pair{70, Kind::kDecode},
-                                            std::pair{3, Kind::kPrefillChunk}, std::pair{3, Kind::kSinks}}) {
+                                            std::pair{3, Kind::kPrefillChunk}, std::pair{3, Kind::kSinks},
+                                            std::pair{2, Kind::kPrefillChunk}}) {
         CAPTURE_BINDING(sequences);
         const int kind_id = int(kind);  // not the binding: see CAPTURE_BINDING
         CAPTURE(kind_id);
