@@ -137,8 +137,9 @@ TEST_CASE("paged attention: equals the reference attention over the same view, N
 // differently), every third windowed, NaN in every row no position holds; 3 sequences, and 70 (two CUDA launches
 // of up to 64 views; more sequences than the CPU's 64 tasks, so a task takes two); then a batch with a prefill
 // chunk in it, and one with attention sinks: in each the CPU's fast path cannot take one part, which takes
-// attention() alone, while its neighbours still take the fast path (the view of 4,500 rows makes it a pool run);
-// and a chunk beside one decode query, where the CPU takes both through attention().
+// attention() alone, while its neighbours still take the fast path (the view of 4,500 rows makes it a pool run;
+// on CUDA each neighbour is a launch of one view); a chunk beside one decode query, where both backends take both
+// through attention(); and three decode queries then a chunk, one CUDA launch of three views and the chunk alone.
 TEST_CASE("batched attention: each sequence gets the bits of its attention alone, every backend") {
   const AttentionShape shape{4, 2, 32};  // head_dim 32: the CPU's one-query sweep with 16, 8 and 4-float packets
   const int kv_dim = shape.n_kv_heads * shape.head_dim, dim = shape.n_heads * shape.head_dim;
@@ -153,10 +154,10 @@ TEST_CASE("batched attention: each sequence gets the bits of its attention alone
     test::for_each_backend(test::test_backend_names(), [&](Backend& backend) {
       std::mt19937 gen(5);
       std::normal_distribution<float> normal(0.0f, 1.0f);
-      enum class Kind { kDecode, kPrefillChunk, kSinks };
+      enum class Kind { kDecode, kPrefillChunk, kChunkLast, kSinks };
       for (const auto& [sequences, kind] : {std::pair{3, Kind::kDecode}, std::pair{70, Kind::kDecode},
                                             std::pair{3, Kind::kPrefillChunk}, std::pair{3, Kind::kSinks},
-                                            std::pair{2, Kind::kPrefillChunk}}) {
+                                            std::pair{2, Kind::kPrefillChunk}, std::pair{4, Kind::kChunkLast}}) {
         CAPTURE_BINDING(sequences);
         const int kind_id = int(kind);  // not the binding: see CAPTURE_BINDING
         CAPTURE(kind_id);
@@ -175,7 +176,8 @@ TEST_CASE("batched attention: each sequence gets the bits of its attention alone
           // A first view of 4,500 rows in the batches of 3: over 1,024, the CUDA kernel's chunks grow past 16 rows
           // (DecodeChunks::rows_per_split), so its neighbours in the launch are cut into chunks of another size.
           const int rows = sequences == 3 && i == 0 ? 4500 : row_counts[i % 6], block_size = i % 2 ? 16 : 3;
-          const int n = kind == Kind::kPrefillChunk && i == 1 ? 4 : 1;
+          const int chunk_at = kind == Kind::kPrefillChunk ? 1 : kind == Kind::kChunkLast ? sequences - 1 : -1;
+          const int n = i == chunk_at ? 4 : 1;
           s.blocks = shuffled_blocks(rows, block_size, gen);
           const BlockTable host_table{s.blocks.data(), block_size};
           const std::size_t pool_floats = std::size_t(blocks_needed(rows, block_size) + 2) * block_size * kv_dim;

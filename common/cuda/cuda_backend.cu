@@ -1343,32 +1343,42 @@ class CudaBackend final : public Backend {
     KVS_LAUNCH(attention_kernel, dim3(n, shape.n_heads), dim3(warps * kWarp), 0, queue_, out, weights, q, positions,
                kv, shape.n_heads, group, shape.head_dim);
   }
-  // A decode step of several sequences (every part one query; chapter 08): one launch of the decoding kernel
-  // for up to kMaxBatchSequences sequences instead of one per sequence - at batch 64 a layer would otherwise
-  // launch 64 kernels of a few blocks each, where a launch costs more than its work.
-  // Anything else (a prefill chunk in the batch) takes the definition, a call per part.
+  // A step of several sequences (chapter 08): its decode queries (parts of one query) as launches of the decoding
+  // kernel for up to kMaxBatchSequences sequences each instead of one per sequence - at batch 64 a layer would
+  // otherwise launch 64 kernels of a few blocks each, where a launch costs more than its work. A launch takes a run
+  // of such parts whose queries are rows one after another (the scheduler puts a step's new prompt chunks after its
+  // decode tokens, so a step is mostly one run). Any other part (a prefill chunk) takes attention() alone, in turn;
+  // one decode part or none, the definition. (Once one chunk sent the whole step to the definition, a launch per
+  // part; the CPU's batched attention had the same rule, measured in book 08.)
   void attention_batch(float* out, const float* q, const int* positions, std::span<const AttentionPart> parts,
                        const AttentionShape& shape, std::span<float> scratch) override {
-    bool decoding = parts.size() > 1 && shape.head_dim <= kMaxHeadDim;
-    for (std::size_t i = 0; decoding && i < parts.size(); ++i)
-      decoding = parts[i].n == 1 && parts[i].offset == int(i) && (!parts[i].kv.read_rope || parts[i].kv.window.size >= 1);
-    if (!decoding) return Backend::attention_batch(out, q, positions, parts, shape, scratch);
-    int max_rows = 0;
-    for (const AttentionPart& p : parts) max_rows = std::max(max_rows, p.kv.rows);
-    const int largest_launch = static_cast<int>(std::min<std::size_t>(parts.size(), kMaxBatchSequences));
+    auto decoding = [&](const AttentionPart& p) {  // what attention() would take through decode() too
+      return p.n == 1 && shape.head_dim <= kMaxHeadDim && (!p.kv.read_rope || p.kv.window.size >= 1);
+    };
+    int decode_parts = 0, max_rows = 0;
+    for (const AttentionPart& p : parts)
+      if (decoding(p)) ++decode_parts, max_rows = std::max(max_rows, p.kv.rows);
+    if (decode_parts <= 1) return Backend::attention_batch(out, q, positions, parts, shape, scratch);
+    const int largest_launch = std::min(decode_parts, kMaxBatchSequences);
     if (scratch.size() < attention_scratch_floats(shape, max_rows, largest_launch))
-      throw std::invalid_argument("attention: a batch of " + std::to_string(parts.size()) + " views of up to " +
+      throw std::invalid_argument("attention: a batch of " + std::to_string(decode_parts) + " views of up to " +
                                   std::to_string(max_rows) + " rows needs more scratch than the model allocated");
     const std::size_t dim = std::size_t(shape.n_heads) * shape.head_dim;
-    for (std::size_t first = 0; first < parts.size(); first += kMaxBatchSequences) {
-      const int count = static_cast<int>(std::min<std::size_t>(kMaxBatchSequences, parts.size() - first));
-      DecodeViews<kMaxBatchSequences> views;
-      int splits = 1;  // the grid's: the most any view of the launch has
-      for (int z = 0; z < count; ++z) {
-        views.view[z] = parts[first + z].kv;
-        splits = std::max(splits, chunks_.grid_splits(views.view[z].rows));
+    for (std::size_t i = 0; i < parts.size();) {
+      if (!decoding(parts[i])) {
+        const AttentionPart& p = parts[i++];
+        attention(out + p.offset * dim, q + p.offset * dim, positions + p.offset, p.n, p.kv, shape, scratch, nullptr);
+        continue;
       }
-      decode(out + first * dim, q + first * dim, positions + first, views, count, splits, shape, scratch.data());
+      const int first_row = parts[i].offset;  // the run: parts i, i + 1, ... at rows first_row, first_row + 1, ...
+      DecodeViews<kMaxBatchSequences> views;
+      int count = 0, splits = 1;  // the grid's: the most any view of the launch has
+      for (; i < parts.size() && count < kMaxBatchSequences && decoding(parts[i]) && parts[i].offset == first_row + count;
+           ++i, ++count) {
+        views.view[count] = parts[i].kv;
+        splits = std::max(splits, chunks_.grid_splits(views.view[count].rows));
+      }
+      decode(out + first_row * dim, q + first_row * dim, positions + first_row, views, count, splits, shape, scratch.data());
     }
   }
   // The decoding kernel over `sequences` views (one query each, rows of q and out one after another) in
