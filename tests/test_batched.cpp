@@ -831,6 +831,7 @@ TEST_CASE("08_paged_batching --experiment batching: --rounds runs of each kind, 
   CHECK(r.err.find("2 runs of each, the median's:") != std::string::npos);
   CHECK(r.err.find(" continuous ") != std::string::npos);
   CHECK(r.err.find("     static ") != std::string::npos);
+  CHECK(r.err.find(" recomputed\n") != std::string::npos);  // the preemptions' work, beside the times it explains
   const auto refused = test::run_command(bin + " --experiment memory --rounds 2");
   CHECK(refused.exit_code == 2);
   CHECK(refused.err.find("--rounds") != std::string::npos);

@@ -334,12 +334,15 @@ int batching(Setup& s) {
                last_arrival(s.requests),
                s.options.max_batch, s.block_size,
                format_bytes(double(s.kv_memory)).c_str());
-  CsvWriter csv({"--csv", s.csv}, "batching,steps,total_ms,tokens_per_s,latency_ms_mean,latency_ms_p99,ttft_ms_mean,idle_slot_share",
+  CsvWriter csv({"--csv", s.csv},
+                "batching,steps,total_ms,tokens_per_s,latency_ms_mean,latency_ms_p99,ttft_ms_mean,idle_slot_share,"
+                "preemptions,recomputed_tokens",
                 s.rt.inputs());
   // One run of each kind untimed, then s.rounds timed runs of each, the kinds in turn: a run of this trace takes
   // under half a second, and measured once each, continuous first, the first run paid what a process's first run
   // pays (pages first written, caches cold) and two runs of one kind differed by up to 25%. The table shows each
-  // kind's run of median wall time; steps and idle slots are the same in every run.
+  // kind's run of median wall time; steps, idle slots and preemptions are the same in every run. The preemptions
+  // are printed because they are work: a kind that preempts more recomputes more prompt tokens for the same output.
   struct Run {
     RunStats stats;
     double latency_mean, latency_p99, ttft_mean;
@@ -364,19 +367,21 @@ int batching(Setup& s) {
       }
   }
   std::fprintf(stderr, "%d runs of each, the median's:\n", s.rounds);
-  std::fprintf(stderr, "%11s %7s %10s %10s %12s %12s %10s %10s\n", "batching", "steps", "total", "tokens/s", "latency mean",
-               "latency p99", "TTFT mean", "idle slots");
+  std::fprintf(stderr, "%11s %7s %10s %10s %12s %12s %10s %10s %11s\n", "batching", "steps", "total", "tokens/s",
+               "latency mean", "latency p99", "TTFT mean", "idle slots", "recomputed");
   for (int k = 0; k < 2; ++k) {
     std::vector<Run>& kind = runs[k];
     std::sort(kind.begin(), kind.end(), [](const Run& a, const Run& b) { return a.stats.wall_ms < b.stats.wall_ms; });
     const Run& run = kind[(kind.size() - 1) / 2];  // the lower of two middle runs, as throughput's percentile(50)
     const double idle = double(run.stats.idle_slot_steps) / double(run.stats.slot_steps);
-    std::fprintf(stderr, "%11s %7d %7.0f ms %10.0f %9.0f ms %9.0f ms %7.0f ms %9.1f%%\n", to_string(kinds[k]), run.stats.steps,
-                 run.stats.wall_ms, run.stats.tokens_per_s(), run.latency_mean, run.latency_p99, run.ttft_mean, 100 * idle);
+    std::fprintf(stderr, "%11s %7d %7.0f ms %10.0f %9.0f ms %9.0f ms %7.0f ms %9.1f%% %11ld\n", to_string(kinds[k]),
+                 run.stats.steps, run.stats.wall_ms, run.stats.tokens_per_s(), run.latency_mean, run.latency_p99,
+                 run.ttft_mean, 100 * idle, long(run.stats.recomputed_tokens));
     csv.row(to_string(kinds[k]), run.stats.steps, run.stats.wall_ms, run.stats.tokens_per_s(), run.latency_mean,
-            run.latency_p99, run.ttft_mean, idle);
+            run.latency_p99, run.ttft_mean, idle, run.stats.preemptions, run.stats.recomputed_tokens);
   }
-  std::fprintf(stderr, "idle slots: sequence slots of a step left empty while an arrived request waited\n");
+  std::fprintf(stderr, "idle slots: sequence slots of a step left empty while an arrived request waited; recomputed: "
+                       "prompt and generated tokens prefilled again after a preemption (more work for the same output)\n");
   csv.commit();
   if (csv.enabled()) std::fprintf(stderr, "wrote %s\n", csv.path().c_str());
   return 0;
