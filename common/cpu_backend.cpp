@@ -81,9 +81,9 @@ constexpr int kLanes = Eigen::internal::packet_traits<float>::size;
 // scratch share no memory with the cache or q.
 constexpr int kRows = 8;
 // In a paged view (chapter 08) a sweep prefetches the rows kPrefetchRows ahead of the group it reads. A block of
-// 16 positions holds one layer's keys (or values) of the shipped model in 16 rows of 256 bytes, 4 KiB, a page's size, and
-// the next block is any other page of the pool: the core's prefetcher, which follows a stream within a page, starts
-// over at every block and the sweep waits on memory there. A contiguous view needs none of this (the same
+// 16 positions holds one layer's keys (or values) of the shipped model in 16 rows of 256 bytes, 4 KiB, a page's
+// size, and the next block is any other page of the pool: the core's prefetcher, which follows a stream within a
+// page, starts over at every block and the sweep waits on memory there. A contiguous view needs none of this (the same
 // prefetch there made attention at 1,848 positions 27% slower, one thread). Measured on chapter 08's light batching
 // trace (16 sequences of ~170 positions, a pool in use for a while), one thread, each kind alone, 9 rounds a run,
 // old and new builds interleaved, AMD EPYC: continuous batching +8.6% tokens/s (median of 5 pairs, -1% to +12%),
@@ -206,7 +206,8 @@ void attend_one_query(float* __restrict out, const float* q, const KvView& kv, i
       for (; r + kRows <= run_stop; r += kRows) {
         if (prefetch && r + kPrefetchRows + kRows <= rows)
           for (int j = 0; j < kRows; ++j) {
-            const char* row = reinterpret_cast<const char*>(base + kv.row_offset(begin + r + kPrefetchRows + j) + c0 * head_dim);
+            const float* ahead = base + kv.row_offset(begin + r + kPrefetchRows + j) + c0 * head_dim;
+            const char* row = reinterpret_cast<const char*>(ahead);
             for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);  // a cache line at a time
           }
         rows_from(r, std::integral_constant<int, kRows>{});
