@@ -118,6 +118,9 @@ def shrink(command):
             command += " --batch-sizes 1,2"
         if "--experiment memory" in command and "--block-sizes" not in command:
             command += " --block-sizes 16"
+        command = re.sub(r"--tokens [\d,]+", "--tokens 1,9", command)
+        if "--experiment products" in command and "--tokens" not in command:
+            command += " --tokens 1,9 --rounds 1"
     if "kvs_tests" in command:
         command += " --list-test-cases"
     return command

@@ -269,6 +269,7 @@ OneQueryKernel one_query_run(const KvView& kv, int n, const int* positions, int 
 // model's products at 16, 32 and 64 tokens take half to two thirds of GEMM's time (w1, microseconds: 8 vs 15, 16
 // vs 33, 44 vs 68); a dim-1024 model's at 32 tokens 0.75x to 1.04x of GEMM's, at 64 between 0.78x (1024 x 2816)
 // and 1.2x (1024 x 1024) - about even over a layer. Above 64 tokens (prefill) GEMM's packing pays for itself.
+// `08_paged_batching --experiment products` times both paths on a layer's shapes, on any machine (book 08).
 constexpr int kFewTokens = 64;
 // A tile's running sums and totals (2 x kAccumulators packets), its weights and an input must fit the registers.
 // Where there are 16 (x86 without AVX-512), 8 sums spilled: a tile of 4 tokens took 2 packets, 8 + 8 + 2 + 1 = 19.
@@ -407,7 +408,12 @@ void few_token_product(float* out, int out_stride, const float* x, int n, int d_
 // Nothing process-wide is set here: two backends in one process must not change each other's thread count.
 // Each backend owns its team of threads; Eigen itself always runs on the calling thread.
 CpuBackend::CpuBackend(int threads)
-    : pool_(std::make_unique<WorkerPool>(threads > 0 ? threads : available_cores())) {}
+    : pool_(std::make_unique<WorkerPool>(threads > 0 ? threads : available_cores())), few_token_limit_(kFewTokens) {}
+
+void CpuBackend::set_few_token_limit(int tokens) {
+  if (tokens < 0) throw std::invalid_argument("few-token limit " + std::to_string(tokens) + ": give 0 or more tokens");
+  few_token_limit_ = tokens;
+}
 
 int CpuBackend::threads() const { return pool_->threads(); }
 
@@ -499,10 +505,10 @@ void CpuBackend::matmul(float* out, const float* x, const float* w, int n, int d
   pool_->run((d_out + columns_per_task - 1) / columns_per_task, [&](int task) {
     const int first = task * columns_per_task, columns = std::min(columns_per_task, d_out - first);
     // w is wᵀ (d_in, d_out) (upload_matrix): this task's output columns are its columns [first, first + columns).
-    if (n <= kFewTokens) return few_token_product(out + first, d_out, x, n, d_in, w + first, d_out, columns);
+    if (n <= few_token_limit_) return few_token_product(out + first, d_out, x, n, d_in, w + first, d_out, columns);
     Eigen::Map<const RowMajor, 0, Strided> W_T(w + first, d_in, columns, Strided(d_out));  // (d_in, columns)
     Eigen::Map<RowMajor, 0, Strided> Out(out + first, n, columns, Strided(d_out));       // (n, columns)
-    // More tokens than kFewTokens: Eigen's GEMM (it packs the slice once for them all).
+    // More tokens than few_token_limit_ (kFewTokens): Eigen's GEMM (it packs the slice once for them all).
     Out.noalias() = X * W_T;
   });
 }

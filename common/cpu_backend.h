@@ -59,6 +59,14 @@ class CpuBackend final : public Backend {
   void swiglu(float* gate, const float* up, std::size_t count) override;
   void add(float* x, const float* y, std::size_t count) override;
 
+  // The most tokens a product takes through the backend's few-token product (cpu_backend.cpp); more go through
+  // Eigen's GEMM. kFewTokens (64) unless set: 0 sends every product to Eigen, a large value every product to the
+  // few-token product. Chapter 08's products experiment sets it to time the two side by side; everything else
+  // keeps the default, which is what gives a batch's token the bits it gets alone. Throws std::invalid_argument
+  // for a negative count.
+  void set_few_token_limit(int tokens);
+  int few_token_limit() const { return few_token_limit_; }
+
   // Queries per attention block: scores are computed for this many queries at a time, so the scratch
   // is (n_heads, kQueryBlock, max_rows) whatever the prompt length - and whatever the batch: a batched decode
   // step (attention_batch) gives each of up to kQueryBlock tasks one of those rows of scores per head.
@@ -76,6 +84,7 @@ class CpuBackend final : public Backend {
   std::unique_ptr<WorkerPool> pool_;
   std::vector<float*> weights_;  // uploaded weights, released with the backend
   std::int64_t weight_bytes_ = 0;
+  int few_token_limit_;  // see set_few_token_limit
 };
 
 }  // namespace kvs

@@ -837,6 +837,33 @@ TEST_CASE("08_paged_batching --experiment batching: --rounds runs of each kind, 
   CHECK(refused.err.find("--rounds") != std::string::npos);
 }
 
+// The products experiment: one layer's products through the few-token product and Eigen's GEMM, a row per token
+// count, its path named (the backend's own up to 64 tokens); the CPU backend only; --tokens for it alone.
+TEST_CASE("08_paged_batching --experiment products: both paths per token count, the CPU backend only") {
+  const std::string bin = std::string(KVS_BIN_DIR) + "/08_paged_batching";
+  test::TempDir dir;
+  const auto r = test::run_command(bin + " --experiment products --tokens 1,64,65 --rounds 1 --threads 1 --csv " +
+                                   dir.file("products.csv"));
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.err.find("one layer's seven products (q, k, v, o: 128 x 128, 128 x 64") != std::string::npos);
+  CHECK(r.err.find("few-token p50 / p99") != std::string::npos);
+  CHECK(r.err.find("x  few-token\n") != std::string::npos);  // 1 and 64 tokens
+  CHECK(r.err.find("x  Eigen\n") != std::string::npos);      // 65
+  const auto rows = test::read_csv(dir.file("products.csv"));
+  REQUIRE(rows.size() == 1 + 3);
+  CHECK(rows[3].back() == "Eigen");  // 65 tokens: the path the backend takes
+  const auto synthetic = test::run_command(bin + " --experiment products --synthetic 64,2,4,2 --tokens 2 --rounds 1 --threads 1");
+  CHECK(synthetic.exit_code == 0);
+  CHECK(synthetic.err.find("(q, k, v, o: 64 x 64, 64 x 32") != std::string::npos);
+  const auto harness = test::run_command(bin + " --experiment products --backend cuda-harness");
+  CHECK(harness.exit_code == 2);
+  CHECK(harness.err.find("drop --backend") != std::string::npos);
+  const auto elsewhere = test::run_command(bin + " --experiment memory --tokens 4");
+  CHECK(elsewhere.exit_code == 2);
+  CHECK(elsewhere.err.find("--tokens") != std::string::npos);
+}
+
 // --synthetic for the throughput experiment: random weights of a chosen shape (a model too large for the caches, where
 // batching pays: book 08), a row per batch size; attention's scratch sized for the run's sequences (12 positions),
 // not the synthetic context of 65,536 (which would take 64 MiB of scores at this shape); refused with one line by

@@ -230,6 +230,39 @@ TEST_CASE("matmul: a token in a product of up to 64 tokens gets the bits it gets
   }
 }
 
+// CpuBackend::set_few_token_limit, which chapter 08's products experiment uses to time both paths: up to the limit
+// a product takes the few-token product (each token the bits it gets alone), past it Eigen's GEMM (near the plain
+// loop, not those bits); 0 sends every product to Eigen, and a negative limit is refused.
+TEST_CASE("matmul: the few-token limit picks the path, the default keeps a batch's bits, 0 sends every product to Eigen") {
+  std::mt19937 gen(17);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int n = 8, d_in = 128, d_out = 384;  // the shipped model's w1, a decode step of 8 sequences
+  std::vector<float> x(std::size_t(n) * d_in), w(std::size_t(d_out) * d_in);
+  for (float& v : x) v = normal(gen);
+  for (float& v : w) v = normal(gen);
+  const std::vector<float> expected = plain_matmul(x, w, n, d_in, d_out);
+  CpuBackend cpu(1);
+  CHECK(cpu.few_token_limit() == 64);
+  const float* weights = cpu.upload_matrix(w.data(), d_out, d_in);
+  std::vector<float> alone(std::size_t(n) * d_out), few(alone.size()), eigen(alone.size());
+  for (int i = 0; i < n; ++i)
+    cpu.matmul(alone.data() + std::size_t(i) * d_out, x.data() + std::size_t(i) * d_in, weights, 1, d_in, d_out);
+  cpu.matmul(few.data(), x.data(), weights, n, d_in, d_out);
+  cpu.set_few_token_limit(0);
+  cpu.matmul(eigen.data(), x.data(), weights, n, d_in, d_out);
+  cpu.set_few_token_limit(n - 1);  // one token fewer than the product: Eigen too
+  std::vector<float> below(alone.size());
+  cpu.matmul(below.data(), x.data(), weights, n, d_in, d_out);
+  CHECK(std::memcmp(few.data(), alone.data(), few.size() * sizeof(float)) == 0);
+  // Sums of 128 products of N(0, 1) values: |sum| ~ 11, float rounding ~1e-5 of that.
+  CHECK(max_abs_difference(eigen, expected) <= 1e-3f);
+  CHECK(std::memcmp(eigen.data(), below.data(), eigen.size() * sizeof(float)) == 0);
+  // Eigen's GEMM sums in another order: the path did change (with the limit ignored, these are equal).
+  CHECK(std::memcmp(eigen.data(), few.data(), eigen.size() * sizeof(float)) != 0);
+  CHECK_THROWS_WITH_AS(cpu.set_few_token_limit(-1), doctest::Contains("give 0 or more"), std::invalid_argument);
+  CHECK(cpu.few_token_limit() == n - 1);  // a refused limit leaves the one before
+}
+
 TEST_CASE("matmul: one token gets the very bits of Eigen's matrix-vector product, which the book's single-sequence runs used") {
   // cpu_backend.cpp's few-token product sums in the order of Eigen 3.4's GEMV for d_in >= 128 (blocks of 16
   // inputs), so chapters 00-07's logits and texts did not move when it replaced GEMV. The shipped model's four

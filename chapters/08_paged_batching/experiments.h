@@ -20,6 +20,7 @@ struct Setup {
   PoolFormat format;              // how the pool stores its rows (--kv-format, chapter 10)
   SchedulerOptions options;
   std::vector<int> batch_sizes, block_sizes;
+  std::vector<int> token_counts;  // products: tokens a product takes (--tokens)
   int rounds = 3;                 // throughput, batching: measurements of every batch size or kind, interleaved
   std::string csv;
 };
@@ -40,5 +41,7 @@ int memory_waste(Setup& s);       // reserved vs live K/V per block size, and a 
 int batching(Setup& s);           // continuous vs static batching on one trace
 int preemption(Setup& s);         // a pool too small: preempt and recompute, outputs unchanged
 int break_double_free(Setup& s);  // a block freed twice: one request's keys in another's context
+int products(Setup& s);           // the CPU's few-token product against Eigen's GEMM, per token count (products.cpp)
+std::int64_t products_bytes(const Setup& s);  // its random layer and inputs, for the run's memory plan
 
 }  // namespace kvs::ch08

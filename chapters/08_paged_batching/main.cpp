@@ -15,7 +15,8 @@
 int main(int argc, char** argv) {
   kvs::CommonOptions options;
   std::string experiment = "serve", trace_file, batching = "continuous", kv_format = "fp32", prompt_lengths = "16,256",
-              output_lengths = "16,128", batch_sizes = "1,2,4,8,16,32,64", block_sizes = "1,4,16,64,256";
+              output_lengths = "16,128", batch_sizes = "1,2,4,8,16,32,64", block_sizes = "1,4,16,64,256",
+              token_counts = "1,2,4,8,16,32,64,128,256";
   kvs::ch08::TraceShape shape;
   float mean_gap = 0;
   std::uint64_t seed = 1;
@@ -31,13 +32,14 @@ int main(int argc, char** argv) {
       "--experiment: serve (default: serve the trace, then check every output against the request served\n"
       "alone), throughput (decode step time and tokens/s per batch size, against the roofline), memory\n"
       "(reserved vs live K/V per block size, and a max-length reservation), batching (continuous vs static),\n"
-      "preemption (a small pool: outputs unchanged, tokens recomputed; watermarks 0-8), break (a block freed twice).\n"
+      "preemption (a small pool: outputs unchanged, tokens recomputed; watermarks 0-8), break (a block freed twice),\n"
+      "products (the CPU backend's few-token product against Eigen's GEMM, per token count: which is faster here).\n"
       "Requests: --trace FILE, " + std::string(kvs::ch08::kTraceFormat) + ";\n"
       "or --requests N drawn from data/kjv/valid.txt (prompt and output lengths uniform in the given ranges,\n"
       "arrival gaps exponential with mean --mean-gap steps, all fixed by --seed). Text goes to stdout, tables\n"
       "and progress to stderr, one CSV per experiment with --csv (columns named in its header).");
   kvs::add_common_flags(parser, options, "", kvs::CommonFlags::kModelOnly);
-  parser.add_string("--experiment", "NAME", "serve, throughput, memory, batching, preemption or break (default serve)", &experiment);
+  parser.add_string("--experiment", "NAME", "serve, throughput, memory, batching, preemption, break or products (default serve)", &experiment);
   parser.add_string("--trace", "PATH", "read the requests from this file (format above)", &trace_file);
   parser.add_int("--requests", "requests to draw from the held-out text (default 32)", &shape.count, 1, 100000);
   parser.add_string("--prompt-lengths", "MIN,MAX", "prompt tokens of a drawn request (default 16,256)", &prompt_lengths);
@@ -60,12 +62,13 @@ int main(int argc, char** argv) {
                     "throughput: instead of the shipped model, random weights of this shape (as 03_benchmark's, e.g.\n"
                     "1024,8,8,2: 0.4 GB), a model too large for the caches, where batching pays; give --kv-memory for\n"
                     "its batch", &options.synthetic);
+  parser.add_string("--tokens", "LIST", "products: tokens a product takes (default 1,2,4,8,16,32,64,128,256)", &token_counts);
   parser.add_string("--block-sizes", "LIST", "memory: block sizes besides the max-length reservation (default 1,4,16,64,256)",
                     &block_sizes);
   parser.add_check([&] {
-    for (const char* name : {"serve", "throughput", "memory", "batching", "preemption", "break"})
+    for (const char* name : {"serve", "throughput", "memory", "batching", "preemption", "break", "products"})
       if (experiment == name) return std::string();
-    return "--experiment " + experiment + " is not one of serve, throughput, memory, batching, preemption, break";
+    return "--experiment " + experiment + " is not one of serve, throughput, memory, batching, preemption, break, products";
   });
   // The batching experiment's table is timings (the others count blocks, tokens, preemptions). Throughput's is too,
   // but through the harness it is the one way to run its GPU path (the device's copy bandwidth as the floor)
@@ -74,9 +77,14 @@ int main(int argc, char** argv) {
     return experiment == "batching" ? kvs::timed_run_refuses_harness(options.backend, "--experiment batching") : std::string();
   });
   parser.add_check([&] {
-    if (options.synthetic.empty() || experiment == "throughput") return std::string();
-    return "--synthetic: random weights write gibberish, which only --experiment throughput (timings) can use, not " +
-           experiment;
+    if (experiment != "products" || options.backend == "cpu") return std::string();
+    return "--experiment products times the CPU backend's two product paths, not --backend " + options.backend +
+           "'s: drop --backend";
+  });
+  parser.add_check([&] {
+    if (options.synthetic.empty() || experiment == "throughput" || experiment == "products") return std::string();
+    return "--synthetic: random weights write gibberish, which only --experiment throughput or products (timings) can "
+           "use, not " + experiment;
   });
   parser.add_check([&] {
     if (kvs::parse_kv_format(kv_format, pool_format.format)) return std::string();
@@ -91,7 +99,8 @@ int main(int argc, char** argv) {
     return "--batching " + batching + " is not continuous or static";
   });
   parser.add_check([&] {
-    if (max_batch <= token_budget || experiment == "throughput" || experiment == "memory") return std::string();
+    if (max_batch <= token_budget || experiment == "throughput" || experiment == "memory" || experiment == "products")
+      return std::string();
     return "--max-batch " + std::to_string(max_batch) + " exceeds --token-budget " + std::to_string(token_budget) +
            ": every sequence of a step brings at least one token";
   });
@@ -104,7 +113,8 @@ int main(int argc, char** argv) {
   // both kinds, preemption its own watermarks (refused above, by name).
   parser.add_read_only_by("--experiment", &experiment,
                           {{"--batch-sizes", {"throughput"}},
-                           {"--rounds", {"throughput", "batching"}},
+                           {"--tokens", {"products"}},
+                           {"--rounds", {"throughput", "batching", "products"}},
                            {"--block-sizes", {"memory"}},
                            {"--block-size", {"serve", "throughput", "batching", "preemption", "break"}},
                            {"--mean-gap", {"serve", "memory", "batching", "preemption", "break"}},
@@ -129,6 +139,7 @@ int main(int argc, char** argv) {
     shape.mean_gap = mean_gap, shape.seed = seed;
     const std::vector<int> batch_list = kvs::parse_int_list("--batch-sizes", batch_sizes, 1, 4096);
     const std::vector<int> block_list = kvs::parse_int_list("--block-sizes", block_sizes, 1, 1 << 16);
+    const std::vector<int> token_list = kvs::parse_int_list("--tokens", token_counts, 1, 4096);
     if (experiment == "throughput") {  // its batches are --batch-sizes (--max-batch is refused there)
       const int largest_batch = std::ranges::max(batch_list);
       if (largest_batch > token_budget)
@@ -150,9 +161,11 @@ int main(int argc, char** argv) {
     pool_format.int4_group = int4_group;  // before the plan below sizes blocks of this format
     // The pool, and the cache a request served alone uses for the check (chapter 03's, or a one-sequence pool); the
     // throughput experiment checks nothing against a request alone.
-    rt.plan_kv_cache(kv_memory + (experiment == "throughput" ? 0
-                                  : kvs::ch08::BlockPool::block_bytes(c, kvs::blocks_needed(c.seq_len, block_size) * block_size,
-                                                                      pool_format)));
+    // (The products experiment makes no cache.)
+    if (experiment != "products")
+      rt.plan_kv_cache(kv_memory + (experiment == "throughput" ? 0
+                                    : kvs::ch08::BlockPool::block_bytes(c, kvs::blocks_needed(c.seq_len, block_size) * block_size,
+                                                                        pool_format)));
     std::vector<kvs::ch08::Request> requests;
     if (!trace_file.empty()) {
       requests = kvs::ch08::parse_trace(kvs::read_input_file("--trace", trace_file, std::size_t{64} << 20), trace_file);
@@ -166,10 +179,12 @@ int main(int argc, char** argv) {
                                                                         : kvs::ch08::Batching::kContinuous,
                                        .max_batch = max_batch, .token_budget = token_budget,
                                        .watermark_blocks = watermark},
-                           .batch_sizes = batch_list, .block_sizes = block_list, .rounds = rounds, .csv = options.csv};
+                           .batch_sizes = batch_list, .block_sizes = block_list, .token_counts = token_list,
+                           .rounds = rounds, .csv = options.csv};
     try {
-      kvs::ch08::check_pools(setup, experiment);
+      if (experiment != "products") kvs::ch08::check_pools(setup, experiment);
       if (experiment == "throughput") rt.plan_other(kvs::ch08::throughput_probe_bytes(setup), "roofline probes");
+      if (experiment == "products") rt.plan_other(kvs::ch08::products_bytes(setup), "a layer's random weights and inputs");
       std::cerr << rt.describe() << "\n";
       if (experiment == "throughput" && options.backend == "cuda-harness")
         std::cerr << "(the CUDA kernels on the CPU, one fiber per GPU thread: this run checks the GPU path; its timings "
@@ -179,6 +194,7 @@ int main(int argc, char** argv) {
       if (experiment == "batching") return kvs::ch08::batching(setup);
       if (experiment == "preemption") return kvs::ch08::preemption(setup);
       if (experiment == "break") return kvs::ch08::break_double_free(setup);
+      if (experiment == "products") return kvs::ch08::products(setup);
       return kvs::ch08::serve_trace(setup);
     } catch (const std::invalid_argument& e) {  // a request that can never fit: the command line's to fix
       throw kvs::UsageError(e.what());
