@@ -859,6 +859,9 @@ TEST_CASE("08_paged_batching --experiment products: both paths per token count, 
   const auto harness = test::run_command(bin + " --experiment products --backend cuda-harness");
   CHECK(harness.exit_code == 2);
   CHECK(harness.err.find("drop --backend") != std::string::npos);
+  const auto pool_flag = test::run_command(bin + " --experiment products --kv-memory 8MiB");
+  CHECK(pool_flag.exit_code == 2);
+  CHECK(pool_flag.err.find("--kv-memory is not read by --experiment products") != std::string::npos);
   const auto elsewhere = test::run_command(bin + " --experiment memory --tokens 4");
   CHECK(elsewhere.exit_code == 2);
   CHECK(elsewhere.err.find("--tokens") != std::string::npos);

@@ -59,9 +59,9 @@ int main(int argc, char** argv) {
   parser.add_int("--rounds", "throughput: measurements of every batch size, the sizes in turn; batching: runs of each\n"
                  "kind, the kinds in turn, after one untimed; the table shows the median (default 3)", &rounds, 1, 1000);
   parser.add_string("--synthetic", "DIM,LAYERS,HEADS,KV_HEADS",
-                    "throughput: instead of the shipped model, random weights of this shape (as 03_benchmark's, e.g.\n"
-                    "1024,8,8,2: 0.4 GB), a model too large for the caches, where batching pays; give --kv-memory for\n"
-                    "its batch", &options.synthetic);
+                    "throughput and products: instead of the shipped model, random weights of this shape (as\n"
+                    "03_benchmark's, e.g. 1024,8,8,2: 0.4 GB), a model too large for the caches, where batching pays;\n"
+                    "give --kv-memory for its batch", &options.synthetic);
   parser.add_string("--tokens", "LIST", "products: tokens a product takes (default 1,2,4,8,16,32,64,128,256)", &token_counts);
   parser.add_string("--block-sizes", "LIST", "memory: block sizes besides the max-length reservation (default 1,4,16,64,256)",
                     &block_sizes);
@@ -80,6 +80,16 @@ int main(int argc, char** argv) {
     if (experiment != "products" || options.backend == "cpu") return std::string();
     return "--experiment products times the CPU backend's two product paths, not --backend " + options.backend +
            "'s: drop --backend";
+  });
+  // The products experiment times one layer's products: no requests, no pool, no steps.
+  parser.add_check([&] {
+    if (experiment != "products") return std::string();
+    for (const char* flag : {"--trace", "--requests", "--prompt-lengths", "--output-lengths", "--seed", "--kv-memory",
+                             "--kv-format", "--group", "--token-budget"})
+      if (parser.given(flag))
+        return std::string(flag) + " is not read by --experiment products (one layer's products: no requests, no pool): "
+                                   "drop it";
+    return std::string();
   });
   parser.add_check([&] {
     if (options.synthetic.empty() || experiment == "throughput" || experiment == "products") return std::string();
