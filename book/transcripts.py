@@ -120,7 +120,9 @@ def shrink(command):
             command += " --block-sizes 16"
         command = re.sub(r"--tokens [\d,]+", "--tokens 1,9", command)
         if "--experiment products" in command and "--tokens" not in command:
-            command += " --tokens 1,9 --rounds 1"
+            command += " --tokens 1,9"
+        if "--experiment products" in command and "--rounds" not in command:
+            command += " --rounds 1"
     if "kvs_tests" in command:
         command += " --list-test-cases"
     return command

@@ -245,7 +245,8 @@ OneQueryKernel one_query_run(const KvView& kv, int n, const int* positions, int 
 }
 
 // ---- products for a few tokens (decode steps, batches, short prompts) ----
-// out (n, columns) = x (n, d_in) · W_T (d_in, columns) for n <= kFewTokens, W_T a slice of a transposed weight
+// out (n, columns) = x (n, d_in) · W_T (d_in, columns) for any n (matmul takes it up to few_token_limit_,
+// kFewTokens unless set), W_T a slice of a transposed weight
 // matrix (upload_matrix), its rows w_stride floats apart. Why not Eigen: it takes one token through its GEMV and
 // two or more through its GEMM, which first copies ("packs") the weight slice it will read - for a few tokens that
 // copy costs more than the product: a decode step of two sequences took 2.7x the time of one (0.147 against 0.053
@@ -502,10 +503,11 @@ void CpuBackend::matmul(float* out, const float* x, const float* w, int n, int d
   if (n == 0) return;  // no tokens (the split into tasks divides by n)
   Eigen::Map<const RowMajor> X(x, n, d_in);
   const int columns_per_task = matmul_columns_per_task(n, d_in, d_out);
+  const bool few_tokens = n <= few_token_limit_;  // read once: every task of one product takes the same path
   pool_->run((d_out + columns_per_task - 1) / columns_per_task, [&](int task) {
     const int first = task * columns_per_task, columns = std::min(columns_per_task, d_out - first);
     // w is wᵀ (d_in, d_out) (upload_matrix): this task's output columns are its columns [first, first + columns).
-    if (n <= few_token_limit_) return few_token_product(out + first, d_out, x, n, d_in, w + first, d_out, columns);
+    if (few_tokens) return few_token_product(out + first, d_out, x, n, d_in, w + first, d_out, columns);
     Eigen::Map<const RowMajor, 0, Strided> W_T(w + first, d_in, columns, Strided(d_out));  // (d_in, columns)
     Eigen::Map<RowMajor, 0, Strided> Out(out + first, n, columns, Strided(d_out));       // (n, columns)
     // More tokens than few_token_limit_ (kFewTokens): Eigen's GEMM (it packs the slice once for them all).

@@ -3,6 +3,8 @@
 // (continuous batching, joins and leaves, preemption) against each request served alone.
 #include <doctest/doctest.h>
 
+#include <Eigen/Core>  // EIGEN_VECTORIZE_*: which sums the CPU backend folds how
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -133,10 +135,21 @@ TEST_CASE("paged attention: equals the reference attention over the same view, N
 }
 
 // What book 08 says of a paged view against chapter 03's contiguous buffer: the same rows, the same code, and for a
-// decode query the very same bits, whatever the block size (the CPU's one-query path sweeps a run kRows at a time
-// and carries its sums across runs); a prompt chunk's attention, one matrix product per run, adds a paged view's
-// blocks one at a time where the contiguous buffer is one run: its outputs differ in the last bits, within a
-// float sum's rounding. Views of up to 1,000 rows, blocks of 1 to 32 rows, out of order.
+// decode query with blocks of a multiple of kRows (8) rows - the default 16 - the very same bits (the CPU's one-query
+// path sweeps a run 8 rows at a time and adds the weighted values row after row across runs). Blocks of 1 or 3 rows
+// score their rows one at a time, whose sum across a register (Eigen's predux) folds the lanes in another order than
+// the 8-row sums on AVX/AVX2 (the same order on SSE and AVX-512): within rounding there, not bit for bit. A prompt
+// chunk's attention, one matrix product per run, adds a paged view's blocks one at a time where the contiguous
+// buffer is one run: its outputs differ in the last bits, within a float sum's rounding. Views of up to 1,000 rows,
+// blocks of 1 to 32 rows, out of order; through the CUDA kernels every case is the same bits (rows are not cut by
+// block there).
+// Whether one row's sum across a register (Eigen's predux) folds the lanes as the CPU's 8-row sums do: on SSE and
+// AVX-512, yes; on AVX/AVX2 (hadd), no (cpu_backend.cpp, store_sums).
+#if defined(EIGEN_VECTORIZE_AVX) && !defined(EIGEN_VECTORIZE_AVX512)
+constexpr bool kPredux8Order = false;
+#else
+constexpr bool kPredux8Order = true;
+#endif
 TEST_CASE("paged attention: a decode query gets the very bits of the same rows in one buffer, a prompt chunk within 1e-6, every backend") {
   test::for_each_backend(test::test_backend_names(), [&](Backend& backend) {
     std::mt19937 gen(12);
@@ -178,12 +191,12 @@ TEST_CASE("paged attention: a decode query gets the very bits of the same rows i
             return test::from_backend(backend, d_out);
           };
           const std::vector<float> from_buffer = attend(contiguous), from_pool = attend(paged);
-          if (n == 1) {
+          if (n == 1 && (block_size % 8 == 0 || kPredux8Order || std::string(backend.name()) != "cpu (Eigen)")) {
             CHECK(std::memcmp(from_buffer.data(), from_pool.data(), from_buffer.size() * sizeof(float)) == 0);
           } else {
             float worst = 0;
             for (std::size_t i = 0; i < from_buffer.size(); ++i) worst = std::max(worst, std::abs(from_buffer[i] - from_pool[i]));
-            MESSAGE("blocks of " << block_size << ", " << rows << " rows, a chunk of 5: largest difference " << worst);
+            MESSAGE("blocks of " << block_size << ", " << rows << " rows, " << n << " queries: largest difference " << worst);
             CHECK(worst < 1e-6f);  // outputs of magnitude <= ~3 (weighted means of N(0,1) values), float sums of <= 1,000 terms grouped two ways
           }
         }
@@ -858,7 +871,11 @@ TEST_CASE("08_paged_batching --experiment products: both paths per token count, 
   CHECK(synthetic.err.find("(q, k, v, o: 64 x 64, 64 x 32") != std::string::npos);
   const auto harness = test::run_command(bin + " --experiment products --backend cuda-harness");
   CHECK(harness.exit_code == 2);
-  CHECK(harness.err.find("drop --backend") != std::string::npos);
+#if defined(KVS_HAVE_CUDA_HARNESS_MODULE)
+  CHECK(harness.err.find("times the CPU backend's two product paths") != std::string::npos);
+#else
+  CHECK(harness.err.find("this build has no CUDA harness") != std::string::npos);  // said first, whatever the experiment
+#endif
   const auto pool_flag = test::run_command(bin + " --experiment products --kv-memory 8MiB");
   CHECK(pool_flag.exit_code == 2);
   CHECK(pool_flag.err.find("--kv-memory is not read by --experiment products") != std::string::npos);

@@ -341,8 +341,9 @@ int batching(Setup& s) {
   // One run of each kind untimed, then s.rounds timed runs of each, the kinds in turn: a run of this trace takes
   // under half a second, and measured once each, continuous first, the first run paid what a process's first run
   // pays (pages first written, caches cold) and two runs of one kind differed by up to 25%. The table shows each
-  // kind's run of median wall time; steps, idle slots and preemptions are the same in every run. The preemptions
-  // are printed because they are work: a kind that preempts more recomputes more prompt tokens for the same output.
+  // kind's run of median wall time; steps, idle slots and preemptions are the same in every run. The recomputed
+  // tokens are printed (the CSV has the preemptions too) because they are work: a kind that preempts more
+  // recomputes more prompt tokens for the same output.
   struct Run {
     RunStats stats;
     double latency_mean, latency_p99, ttft_mean;

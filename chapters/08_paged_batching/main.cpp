@@ -57,11 +57,12 @@ int main(int argc, char** argv) {
   parser.add_int("--watermark", "blocks an admission leaves free while sequences run (default 0)", &watermark, 0, 1 << 30);
   parser.add_string("--batch-sizes", "LIST", "throughput: batch sizes (default 1,2,4,8,16,32,64)", &batch_sizes);
   parser.add_int("--rounds", "throughput: measurements of every batch size, the sizes in turn; batching: runs of each\n"
-                 "kind, the kinds in turn, after one untimed; the table shows the median (default 3)", &rounds, 1, 1000);
+                 "kind, the kinds in turn, after one untimed; products: measurements of every token count and path;\n"
+                 "the table shows the median (default 3)", &rounds, 1, 1000);
   parser.add_string("--synthetic", "DIM,LAYERS,HEADS,KV_HEADS",
                     "throughput and products: instead of the shipped model, random weights of this shape (as\n"
-                    "03_benchmark's, e.g. 1024,8,8,2: 0.4 GB), a model too large for the caches, where batching pays;\n"
-                    "give --kv-memory for its batch", &options.synthetic);
+                    "03_benchmark's, e.g. 1024,8,8,2: 0.4 GB), a model too large for the caches, where batching pays\n"
+                    "(throughput: give --kv-memory for its batch)", &options.synthetic);
   parser.add_string("--tokens", "LIST", "products: tokens a product takes (default 1,2,4,8,16,32,64,128,256)", &token_counts);
   parser.add_string("--block-sizes", "LIST", "memory: block sizes besides the max-length reservation (default 1,4,16,64,256)",
                     &block_sizes);
@@ -176,10 +177,10 @@ int main(int argc, char** argv) {
       rt.plan_kv_cache(kv_memory + (experiment == "throughput" ? 0
                                     : kvs::ch08::BlockPool::block_bytes(c, kvs::blocks_needed(c.seq_len, block_size) * block_size,
                                                                         pool_format)));
-    std::vector<kvs::ch08::Request> requests;
-    if (!trace_file.empty()) {
+    std::vector<kvs::ch08::Request> requests;  // none for the products experiment, which serves nothing
+    if (experiment != "products" && !trace_file.empty()) {
       requests = kvs::ch08::parse_trace(kvs::read_input_file("--trace", trace_file, std::size_t{64} << 20), trace_file);
-    } else {
+    } else if (experiment != "products") {
       const std::string text = kvs::read_input_file("held-out text", kvs::find_data_file("kjv/valid.txt"), std::size_t{64} << 20);
       requests = kvs::ch08::generate_trace(text, shape);
     }

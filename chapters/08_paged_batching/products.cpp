@@ -76,7 +76,13 @@ int products(Setup& s) {
       cpu->matmul(out.data(), x.data(), weights[i], n, shapes[i].d_in, shapes[i].d_out);
     return watch.milliseconds();
   };
-  const int few_tokens = cpu->few_token_limit();  // the default, given back at the end
+  // The backend's limit, given back however the function ends (a product that throws included).
+  struct RestoreLimit {
+    CpuBackend* cpu;
+    int limit;
+    ~RestoreLimit() { cpu->set_few_token_limit(limit); }
+  } restore{cpu, cpu->few_token_limit()};
+  const int few_tokens = restore.limit;
   enum Path { kFewToken, kEigen };
   const int limit_of[2] = {1 << 30, 0};
   // Every token count and path in each round, the paths in turn within a count and the counts in turn within a
@@ -98,12 +104,12 @@ int products(Setup& s) {
         }
         progress.update(++done, cells);
       }
-  cpu->set_few_token_limit(few_tokens);
 
   std::fprintf(stderr, "one layer's seven products (q, k, v, o: %d x %d, %d x %d, %d x %d, %d x %d; w1, w3: %d x %d; w2: "
-                       "%d x %d), %d thread%s, %d rounds; microseconds per token, p50 and p99 of the passes\n",
+                       "%d x %d), %d thread%s, %d round%s; microseconds per token, p50 and p99 of the passes (3 or more a cell and round, so p99 is\n"
+                       "about their slowest)\n",
                c.dim, c.dim, c.dim, c.kv_dim(), c.dim, c.kv_dim(), c.dim, c.dim, c.dim, c.hidden_dim, c.hidden_dim, c.dim,
-               cpu->threads(), cpu->threads() == 1 ? "" : "s", s.rounds);
+               cpu->threads(), cpu->threads() == 1 ? "" : "s", s.rounds, s.rounds == 1 ? "" : "s");
   std::fprintf(stderr, "%7s %22s %22s %12s  %s\n", "tokens", "few-token p50 / p99", "Eigen p50 / p99", "few / Eigen",
                "the backend takes");
   CsvWriter csv({"--csv", s.csv},
