@@ -106,8 +106,7 @@ int products(Setup& s) {
       }
 
   std::fprintf(stderr, "one layer's seven products (q, k, v, o: %d x %d, %d x %d, %d x %d, %d x %d; w1, w3: %d x %d; w2: "
-                       "%d x %d), %d thread%s, %d round%s; microseconds per token, p50 and p99 of the passes (3 or more a cell and round, so p99 is\n"
-                       "about their slowest)\n",
+                       "%d x %d), %d thread%s, %d round%s; microseconds per token, p50 and p99 of the passes\n",
                c.dim, c.dim, c.dim, c.kv_dim(), c.dim, c.kv_dim(), c.dim, c.dim, c.dim, c.hidden_dim, c.hidden_dim, c.dim,
                cpu->threads(), cpu->threads() == 1 ? "" : "s", s.rounds, s.rounds == 1 ? "" : "s");
   std::fprintf(stderr, "%7s %22s %22s %12s  %s\n", "tokens", "few-token p50 / p99", "Eigen p50 / p99", "few / Eigen",
@@ -129,7 +128,8 @@ int products(Setup& s) {
     csv.row(cpu->threads(), n, few50, few99, eig50, eig99, few50 / eig50, path);
   }
   std::fprintf(stderr, "few / Eigen below 1: the few-token product is faster at that count; the backend takes it up to %d "
-                       "tokens, whatever this machine says, so that a batch's token gets the bits it gets alone\n",
+                       "tokens, whatever this machine says, so that a batch's token gets the bits it gets alone; p99: of "
+                       "3 or more passes a cell and round, about their slowest\n",
                few_tokens);
   csv.commit();
   if (csv.enabled()) std::fprintf(stderr, "wrote %s\n", csv.path().c_str());
