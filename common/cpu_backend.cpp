@@ -373,6 +373,21 @@ void few_token_rows(float* out, int out_stride, const float* x, int x_stride, in
     few_token_tile<kTokens, 1, true>(out + c, out_stride, x, x_stride, inputs, w + c, w_stride, add, columns - c);
 }
 
+// The fewest output columns a task of a few-token product of n tokens takes: when one tile holds every token, the
+// width of its widest tile (kAccumulators / n packets, at most 8). The split by multiply-adds alone
+// (matmul_columns_per_task) gives a dim-1024 model's products tasks of 16 columns from 8 tokens on: a tile of one
+// packet then reads one 64-byte line of each weight row, rows 4 KiB apart, and waits on memory at every row (perf:
+// most of its time on that load). Measured (four products of a dim-1024 layer, one thread, AMD EPYC, AVX-512, six
+// interleaved runs, microseconds a token): 8 tokens 690-710 -> 430-470, 4 tokens 790-815 -> 485-520, 2 tokens
+// 905-1005 -> 560-760; chapter 08's decode step of the dim-1024 model, 2 threads, B = 8 37.7-38.1 -> 25.2-25.4 ms,
+// B = 4 22.5-23.0 -> 17.5-17.9 ms. Not for more tokens than a tile: at 9 to 16 tokens a minimum of 32 or 64 columns
+// measured slower (9 tokens 340-390 -> 430-510), where the tiles share each chunk's weights (why narrow tasks suit
+// that is not understood). A minimum of 256 or 512 columns for every count: no better than this, within the noise.
+int few_token_task_columns(int n) {
+  if (n > kTileTokens) return 0;
+  return (kLanes * std::min(8, kAccumulators / n) + 15) / 16 * 16;
+}
+
 // Inputs per chunk: whole blocks of kSumBlock whose weights for `columns` outputs fill kChunkBytes; all of d_in
 // when one tile holds every token (nothing would read a chunk twice).
 int few_token_chunk(int n, int d_in, int columns) {
@@ -503,8 +518,9 @@ void CpuBackend::embed(float* x, const float* table, const int* tokens, int n, i
 void CpuBackend::matmul(float* out, const float* x, const float* w, int n, int d_in, int d_out) {
   if (n == 0) return;  // no tokens (the split into tasks divides by n)
   Eigen::Map<const RowMajor> X(x, n, d_in);
-  const int columns_per_task = matmul_columns_per_task(n, d_in, d_out);
   const bool few_tokens = n <= few_token_limit_;  // read once: every task of one product takes the same path
+  const int columns_per_task =
+      std::min(d_out, std::max(matmul_columns_per_task(n, d_in, d_out), few_tokens ? few_token_task_columns(n) : 0));
   pool_->run((d_out + columns_per_task - 1) / columns_per_task, [&](int task) {
     const int first = task * columns_per_task, columns = std::min(columns_per_task, d_out - first);
     // w is wᵀ (d_in, d_out) (upload_matrix): this task's output columns are its columns [first, first + columns).
