@@ -383,6 +383,7 @@ void few_token_rows(float* out, int out_stride, const float* x, int x_stride, in
 // B = 4 22.5-23.0 -> 17.5-17.9 ms. Not for more tokens than a tile: at 9 to 16 tokens a minimum of 32 or 64 columns
 // measured slower (9 tokens 340-390 -> 430-510), where the tiles share each chunk's weights (why narrow tasks suit
 // that is not understood). A minimum of 256 or 512 columns for every count: no better than this, within the noise.
+// Measured with AVX-512 only (with 16 registers the widest tiles are 48 columns for one token, 16 for three or four).
 int few_token_task_columns(int n) {
   if (n > kTileTokens) return 0;
   return (kLanes * std::min(8, kAccumulators / n) + 15) / 16 * 16;
