@@ -82,6 +82,14 @@ class Model {
   static std::int64_t working_bytes(const ModelConfig& config, const Backend& backend, int max_tokens_per_call,
                                     int max_kv_rows);
 
+  // One layer's weights in backend memory: the norms' (dim) vectors, and the matrices as upload_matrix stored them
+  // (wq, wo: dim x dim; wk, wv: kv_dim x dim; w1, w3: hidden x dim; w2: dim x hidden, each (d_out, d_in) uploaded),
+  // what Backend::matmul takes. For an experiment that times the products alone (chapter 08's products).
+  struct LayerWeights {
+    const float *rms_att, *wq, *wk, *wv, *wo, *rms_ffn, *w1, *w2, *w3;
+  };
+  const LayerWeights& layer_weights(int layer) const { return layers_.at(layer); }
+
   const ModelConfig& config() const { return config_; }
   Backend& backend() { return backend_; }
   int max_tokens_per_call() const { return max_tokens_; }
@@ -105,9 +113,6 @@ class Model {
   void observe(int layer, int pos, int n, const KvView& visible, float* weights);
   std::span<const float> read_logits(int rows);  // (rows, vocab) to the host
 
-  struct LayerWeights {
-    const float *rms_att, *wq, *wk, *wv, *wo, *rms_ffn, *w1, *w2, *w3;
-  };
   ModelConfig config_;
   Backend& backend_;
   int max_tokens_, max_kv_rows_;

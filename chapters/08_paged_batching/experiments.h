@@ -42,6 +42,6 @@ int batching(Setup& s);           // continuous vs static batching on one trace
 int preemption(Setup& s);         // a pool too small: preempt and recompute, outputs unchanged
 int break_double_free(Setup& s);  // a block freed twice: one request's keys in another's context
 int products(Setup& s);           // the CPU's few-token product against Eigen's GEMM, per token count (products.cpp)
-std::int64_t products_bytes(const Setup& s);  // its random layer and inputs, for the run's memory plan
+std::int64_t products_bytes(const Setup& s);  // its inputs and outputs, for the run's memory plan
 
 }  // namespace kvs::ch08

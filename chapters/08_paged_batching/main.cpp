@@ -62,7 +62,8 @@ int main(int argc, char** argv) {
   parser.add_string("--synthetic", "DIM,LAYERS,HEADS,KV_HEADS",
                     "throughput and products: instead of the shipped model, random weights of this shape (as\n"
                     "03_benchmark's, e.g. 1024,8,8,2: 0.4 GB), a model too large for the caches, where batching pays\n"
-                    "(throughput: give --kv-memory for its batch)", &options.synthetic);
+                    "(throughput: give --kv-memory for its batch; products times layer 0 alone: LAYERS 1 will do)",
+                    &options.synthetic);
   parser.add_string("--tokens", "LIST", "products: tokens a product takes (default 1,2,4,8,16,32,64,128,256)", &token_counts);
   parser.add_string("--block-sizes", "LIST", "memory: block sizes besides the max-length reservation (default 1,4,16,64,256)",
                     &block_sizes);
@@ -82,7 +83,7 @@ int main(int argc, char** argv) {
     return "--experiment products times the CPU backend's two product paths, not --backend " + options.backend +
            "'s: drop --backend";
   });
-  // The products experiment times one layer's products: no requests, no pool, no steps.
+  // The products experiment times layer 0's products: no requests, no pool, no steps.
   parser.add_check([&] {
     if (experiment != "products") return std::string();
     for (const char* flag : {"--trace", "--requests", "--prompt-lengths", "--output-lengths", "--seed", "--kv-memory",
@@ -195,7 +196,7 @@ int main(int argc, char** argv) {
     try {
       if (experiment != "products") kvs::ch08::check_pools(setup, experiment);
       if (experiment == "throughput") rt.plan_other(kvs::ch08::throughput_probe_bytes(setup), "roofline probes");
-      if (experiment == "products") rt.plan_other(kvs::ch08::products_bytes(setup), "a layer's random weights and inputs");
+      if (experiment == "products") rt.plan_other(kvs::ch08::products_bytes(setup), "the products' inputs and outputs");
       std::cerr << rt.describe() << "\n";
       if (experiment == "throughput" && options.backend == "cuda-harness")
         std::cerr << "(the CUDA kernels on the CPU, one fiber per GPU thread: this run checks the GPU path; its timings "

@@ -1,8 +1,9 @@
 // Chapter 08's products experiment: the CPU backend's two ways to multiply a few tokens by a weight matrix, timed
-// side by side on one layer's shapes. Up to 64 tokens the backend takes its own few-token product (each packet of
+// side by side on one layer. Up to 64 tokens the backend takes its own few-token product (each packet of
 // weights loaded once for a tile of tokens, every token's sums in the order one token alone gets: a batch's token
 // gets the bits it gets alone); past 64 Eigen's GEMM, which first copies ("packs") the weights it reads. Which is
-// faster at n tokens depends on the model's shapes and on the machine (its registers, its caches): this prints it.
+// faster at n tokens depends on the model's shapes and on the machine (its registers, its caches): this prints it,
+// on the model's own first layer (its weights as the backend holds them; a synthetic model's are random).
 #include <algorithm>
 #include <cstdio>
 #include <random>
@@ -19,21 +20,17 @@
 namespace kvs::ch08 {
 namespace {
 
-struct Shape {
-  const char* name;
+struct Product {
+  const float* w;  // (d_out, d_in) as upload_matrix stored it
   int d_in, d_out;
 };
 
-// One layer's products (model.cpp: q, k, v from the normed input, o, then the MLP's w1 and w3, and w2).
-std::vector<Shape> layer_shapes(const ModelConfig& c) {
-  return {{"q", c.dim, c.dim},         {"k", c.dim, c.kv_dim()},       {"v", c.dim, c.kv_dim()}, {"o", c.dim, c.dim},
-          {"w1", c.dim, c.hidden_dim}, {"w3", c.dim, c.hidden_dim},    {"w2", c.hidden_dim, c.dim}};
-}
-
-std::int64_t layer_floats(const ModelConfig& c) {
-  std::int64_t floats = 0;
-  for (const Shape& m : layer_shapes(c)) floats += std::int64_t(m.d_in) * m.d_out;
-  return floats;
+// Layer 0's products (model.cpp: q, k, v from the normed input, o, then the MLP's w1 and w3, and w2).
+std::vector<Product> layer_products(const Model& model) {
+  const ModelConfig& c = model.config();
+  const Model::LayerWeights& w = model.layer_weights(0);
+  return {{w.wq, c.dim, c.dim},         {w.wk, c.dim, c.kv_dim()},      {w.wv, c.dim, c.kv_dim()}, {w.wo, c.dim, c.dim},
+          {w.w1, c.dim, c.hidden_dim},  {w.w3, c.dim, c.hidden_dim},    {w.w2, c.hidden_dim, c.dim}};
 }
 
 }  // namespace
@@ -42,38 +39,30 @@ std::int64_t products_bytes(const Setup& s) {
   const ModelConfig& c = s.rt.model.config();
   const int most = *std::max_element(s.token_counts.begin(), s.token_counts.end());
   const int widest = std::max(c.dim, c.hidden_dim);
-  return (layer_floats(c) + 2 * std::int64_t(most) * widest) * std::int64_t(sizeof(float));
+  return 2 * std::int64_t(most) * widest * std::int64_t(sizeof(float));  // the inputs and the outputs
 }
 
 int products(Setup& s) {
   auto* cpu = dynamic_cast<CpuBackend*>(&s.rt.backend);
   if (!cpu) throw UsageError("--experiment products times the CPU backend's two product paths: drop --backend");
   const ModelConfig& c = s.rt.model.config();
-  const std::vector<Shape> shapes = layer_shapes(c);
+  const std::vector<Product> products = layer_products(s.rt.model);
   const int most = *std::max_element(s.token_counts.begin(), s.token_counts.end());
   const int widest = std::max(c.dim, c.hidden_dim);
 
-  // Random weights of the layer's shapes (the timing depends on the shapes, not the numbers), stored as the backend
-  // stores the model's (upload_matrix: transposed), and random inputs for the most tokens asked.
+  // Random inputs for the most tokens asked (the timing depends on the shapes, not the numbers).
   std::mt19937 gen(7);
-  std::normal_distribution<float> normal(0.0f, 0.02f);
-  std::vector<const float*> weights;
-  for (const Shape& m : shapes) {
-    std::vector<float> host(std::size_t(m.d_in) * m.d_out);
-    for (float& w : host) w = normal(gen);
-    weights.push_back(cpu->upload_matrix(host.data(), m.d_out, m.d_in));
-  }
+  std::normal_distribution<float> normal(0.0f, 1.0f);
   Buffer x(*cpu, std::size_t(most) * widest), out(*cpu, std::size_t(most) * widest);
   std::vector<float> host_x(std::size_t(most) * widest);
-  for (float& v : host_x) v = normal(gen) * 50;
+  for (float& v : host_x) v = normal(gen);
   cpu->from_host(x.data(), host_x.data(), host_x.size());
 
   // A layer's seven products for n tokens, through the path `limit` picks, timed as one pass (ms).
   auto layer_pass = [&](int n, int limit) {
     cpu->set_few_token_limit(limit);
     Stopwatch watch;
-    for (std::size_t i = 0; i < shapes.size(); ++i)
-      cpu->matmul(out.data(), x.data(), weights[i], n, shapes[i].d_in, shapes[i].d_out);
+    for (const Product& p : products) cpu->matmul(out.data(), x.data(), p.w, n, p.d_in, p.d_out);
     return watch.milliseconds();
   };
   // The backend's limit, given back however the function ends (a product that throws included).
@@ -105,7 +94,7 @@ int products(Setup& s) {
         progress.update(++done, cells);
       }
 
-  std::fprintf(stderr, "one layer's seven products (q, k, v, o: %d x %d, %d x %d, %d x %d, %d x %d; w1, w3: %d x %d; w2: "
+  std::fprintf(stderr, "layer 0's seven products (q, k, v, o: %d x %d, %d x %d, %d x %d, %d x %d; w1, w3: %d x %d; w2: "
                        "%d x %d), %d thread%s, %d round%s; microseconds per token, p50 and p99 of the passes\n",
                c.dim, c.dim, c.dim, c.kv_dim(), c.dim, c.kv_dim(), c.dim, c.dim, c.dim, c.hidden_dim, c.hidden_dim, c.dim,
                cpu->threads(), cpu->threads() == 1 ? "" : "s", s.rounds, s.rounds == 1 ? "" : "s");
