@@ -139,8 +139,8 @@ std::string describe_setup(const Checkpoint& checkpoint, const Backend& backend)
   std::ostringstream out;
   out << "model " << std::filesystem::path(checkpoint.path()).filename().string() << ": dim " << c.dim << ", "
       << c.n_layers << (c.n_layers == 1 ? " layer, " : " layers, ") << c.n_heads << " query heads / " << c.n_kv_heads
-      << " KV heads of " << c.head_dim() << ", hidden " << c.hidden_dim << ", vocab " << c.vocab_size << ", context " << c.seq_len
-      << "; backend " << backend.describe();
+      << " KV heads of " << c.head_dim() << ", hidden " << c.hidden_dim << ", vocab " << c.vocab_size << ", context "
+      << c.seq_len << "; backend " << backend.describe();
   return out.str();
 }
 

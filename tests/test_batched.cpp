@@ -852,8 +852,8 @@ TEST_CASE("08_paged_batching --experiment batching: --rounds runs of each kind, 
   CHECK(refused.err.find("--rounds") != std::string::npos);
 }
 
-// The products experiment: layer 0's products (the model's own weights) through the few-token product and Eigen's GEMM, a row per token
-// count, its path named (the backend's own up to 64 tokens); the CPU backend only; --tokens for it alone.
+// The products experiment: layer 0's products (the model's own weights) through the few-token product and Eigen's
+// GEMM, a row per token count, its path named (the backend's own up to 64 tokens); the CPU backend only; --tokens for it alone.
 TEST_CASE("08_paged_batching --experiment products: both paths per token count, the CPU backend only") {
   const std::string bin = std::string(KVS_BIN_DIR) + "/08_paged_batching";
   test::TempDir dir;
