@@ -271,7 +271,7 @@ OneQueryKernel one_query_run(const KvView& kv, int n, const int* positions, int 
 // model's products at 16, 32 and 64 tokens take half to two thirds of GEMM's time (w1, microseconds: 8 vs 15, 16
 // vs 33, 44 vs 68); a dim-1024 model's at 32 tokens 0.75x to 1.04x of GEMM's, at 64 between 0.78x (1024 x 2816)
 // and 1.2x (1024 x 1024) - about even over a layer. Above 64 tokens (prefill) GEMM's packing pays for itself.
-// `08_paged_batching --experiment products` times both paths on a layer's shapes, on any machine (book 08).
+// `08_paged_batching --experiment products` times both paths on the model's layer 0, on any machine (book 08).
 constexpr int kFewTokens = 64;
 // A tile's running sums and totals (2 x kAccumulators packets), its weights and an input must fit the registers.
 // Where there are 16 (x86 without AVX-512), 8 sums spilled: a tile of 4 tokens took 2 packets, 8 + 8 + 2 + 1 = 19.
@@ -374,16 +374,19 @@ void few_token_rows(float* out, int out_stride, const float* x, int x_stride, in
 }
 
 // The fewest output columns a task of a few-token product of n tokens takes: when one tile holds every token, the
-// width of its widest tile (kAccumulators / n packets, at most 8). The split by multiply-adds alone
-// (matmul_columns_per_task) gives a dim-1024 model's products tasks of 16 columns from 8 tokens on: a tile of one
-// packet then reads one 64-byte line of each weight row, rows 4 KiB apart, and waits on memory at every row (perf:
-// most of its time on that load). Measured (four products of a dim-1024 layer, one thread, AMD EPYC, AVX-512, six
+// width of its widest tile (kAccumulators / n packets, at most 8), rounded up to whole groups of 16. The split by
+// multiply-adds alone (matmul_columns_per_task) gives a dim-1024 model's products of 1,024 inputs tasks of 16
+// columns from 8 tokens on (its w2, of 2,816 inputs, from 3 tokens on): a tile of one packet then reads one
+// 64-byte line of each weight row, rows 4 KiB apart, and waits on memory at every row (perf: most of its time on
+// that load). Measured (four products of a dim-1024 layer, one thread, AMD EPYC, AVX-512, six
 // interleaved runs, microseconds a token): 8 tokens 690-710 -> 430-470, 4 tokens 790-815 -> 485-520, 2 tokens
 // 905-1005 -> 560-760; chapter 08's decode step of the dim-1024 model, 2 threads, B = 8 37.7-38.1 -> 25.2-25.4 ms,
 // B = 4 22.5-23.0 -> 17.5-17.9 ms. Not for more tokens than a tile: at 9 to 16 tokens a minimum of 32 or 64 columns
 // measured slower (9 tokens 340-390 -> 430-510), where the tiles share each chunk's weights (why narrow tasks suit
 // that is not understood). A minimum of 256 or 512 columns for every count: no better than this, within the noise.
-// Measured with AVX-512 only (with 16 registers the widest tiles are 48 columns for one token, 16 for three or four).
+// Measured with AVX-512 only (with AVX's 16 registers the widest tiles are 48 columns for one token, 24 for two, 16
+// for three, 8 for four: tasks of 48, 32, 16, 16), and on one and two threads: on many cores, fewer and wider tasks
+// may leave some idle (a dim-1024 q at 2 tokens: 8 tasks where there were 16).
 int few_token_task_columns(int n) {
   if (n > kTileTokens) return 0;
   return (kLanes * std::min(8, kAccumulators / n) + 15) / 16 * 16;

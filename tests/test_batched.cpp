@@ -852,8 +852,8 @@ TEST_CASE("08_paged_batching --experiment batching: --rounds runs of each kind, 
   CHECK(refused.err.find("--rounds") != std::string::npos);
 }
 
-// The products experiment: layer 0's products (the model's own weights) through the few-token product and Eigen's
-// GEMM, a row per token count, its path named (the backend's own up to 64 tokens); the CPU backend only; --tokens for it alone.
+// The products experiment: layer 0's products (the model's own weights) through the few-token product and
+// Eigen's GEMM, a row per token count, its path named (the backend's own up to 64 tokens); the CPU backend only; --tokens for it alone.
 TEST_CASE("08_paged_batching --experiment products: both paths per token count, the CPU backend only") {
   const std::string bin = std::string(KVS_BIN_DIR) + "/08_paged_batching";
   test::TempDir dir;
@@ -868,7 +868,9 @@ TEST_CASE("08_paged_batching --experiment products: both paths per token count, 
   const auto rows = test::read_csv(dir.file("products.csv"));
   REQUIRE(rows.size() == 1 + 3);
   CHECK(rows[3].back() == "Eigen");  // 65 tokens: the path the backend takes
-  const auto synthetic = test::run_command(bin + " --experiment products --synthetic 64,1,4,2 --tokens 2 --rounds 1 --threads 1");  // one layer will do
+  // One layer will do: the experiment times layer 0.
+  const auto synthetic =
+      test::run_command(bin + " --experiment products --synthetic 64,1,4,2 --tokens 2 --rounds 1 --threads 1");
   CHECK(synthetic.exit_code == 0);
   CHECK(synthetic.err.find("(q, k, v, o: 64 x 64, 64 x 32") != std::string::npos);
   const auto harness = test::run_command(bin + " --experiment products --backend cuda-harness");

@@ -21,7 +21,7 @@ namespace kvs::ch08 {
 namespace {
 
 struct Product {
-  const float* w;  // (d_out, d_in) as upload_matrix stored it
+  const float* w;  // a (d_out, d_in) matrix as uploaded (upload_matrix: stored as the backend's matmul reads it)
   int d_in, d_out;
 };
 
