@@ -90,6 +90,7 @@ constexpr int kRows = 8;
 // static batching +1% (4 pairs, -2% to +5%); decode steps of 80 positions (its throughput experiment) unchanged
 // within the noise. A prefetch changes no result. Coded rows (chapter 10) take none: the same prefetch of their
 // codes and scales, on the same trace, measured int8 +2% (median of 6 pairs), int4 -1% (4 pairs), too little to keep.
+// Nor did a block-table lookup a run instead of a row pay (continuous batching -3%, median of 6 pairs: noise).
 constexpr int kPrefetchRows = 16;
 // sums[j] = the sum of dot[j]'s lanes, for j < n: a dot product's last step, for n rows at once. One row at a time
 // (Eigen's predux) is a ladder of extracts, shuffles and adds per row, ~9 instructions on AVX-512 (~7 on AVX):
