@@ -379,7 +379,7 @@ void few_token_rows(float* out, int out_stride, const float* x, int x_stride, in
 // multiply-adds alone (matmul_columns_per_task) gives a dim-1024 model's products of 1,024 inputs tasks of 16
 // columns from 8 tokens on (its w2, of 2,816 inputs, from 3 tokens on): a tile of one packet then reads one
 // 64-byte line of each weight row, rows 4 KiB apart, and waits on memory at every row (perf: most of its time on
-// that load). Measured (four products of a dim-1024 layer, one thread, AMD EPYC, AVX-512, six
+// that load). Measured (four products of a dim-1024 layer: q, k, w1 and w2; one thread, AMD EPYC, AVX-512, six
 // interleaved runs, microseconds a token): 8 tokens 690-710 -> 430-470, 4 tokens 790-815 -> 485-520, 2 tokens
 // 905-1005 -> 560-760; chapter 08's decode step of the dim-1024 model, 2 threads, B = 8 37.7-38.1 -> 25.2-25.4 ms,
 // B = 4 22.5-23.0 -> 17.5-17.9 ms. Not for more tokens than a tile: at 9 to 16 tokens a minimum of 32 or 64 columns
