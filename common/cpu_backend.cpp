@@ -30,8 +30,9 @@ constexpr float kRmsEps = 1e-5f;
 constexpr std::int64_t kTaskMultiplyAdds = 1 << 17;
 
 // A matrix product's tasks: whole groups of 16 output columns (rows of the weight matrix), each at least
-// kTaskMultiplyAdds. The split depends on the shapes only, never on the thread count, so every output is
-// the same sum in the same order on 1 or 2 threads (bit-identical results, tested).
+// kTaskMultiplyAdds (a few-token product of one tile takes wider ones: few_token_task_columns, in matmul). The
+// split depends on the shapes only, never on the thread count, so every output is the same sum in the same order
+// on 1 or 2 threads (bit-identical results, tested).
 int matmul_columns_per_task(int n, int d_in, int d_out) {
   const std::int64_t per_column = std::int64_t(n) * d_in;
   const std::int64_t columns = (kTaskMultiplyAdds + per_column - 1) / per_column;
