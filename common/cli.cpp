@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <mutex>
 #include <new>
 #include <sstream>
 #include <stdexcept>
@@ -58,6 +60,15 @@ void ArgParser::add_u64(const std::string& name, const std::string& help, std::u
                     }});
 }
 
+namespace {
+// Whether `text` may be read by strtod: a decimal number, not hexadecimal (0x10, which strtod reads as 16) and not
+// padded or signed with + (which it skips), as the whole-number flags refuse them too.
+bool decimal_number(const std::string& text) {
+  return !text.empty() && text.find_first_of("xX") == std::string::npos &&
+         (std::isdigit(static_cast<unsigned char>(text[0])) || text[0] == '.' || text[0] == '-');
+}
+}  // namespace
+
 void ArgParser::add_float(const std::string& name, const std::string& help, float* target, float min, float max) {
   flags_.push_back({name, "X", help, [=](const std::string& v) {
                       char* end = nullptr;
@@ -67,7 +78,7 @@ void ArgParser::add_float(const std::string& name, const std::string& help, floa
                       // --temperature that asked to sample would decode greedily)
                       if (!v.empty() && end == v.c_str() + v.size() && errno == ERANGE && value == 0.0f)
                         return std::string("is too close to 0 for a float (it reads as 0); give 0 or a number further from 0");
-                      if (v.empty() || end != v.c_str() + v.size() || !std::isfinite(value) || value < min ||
+                      if (!decimal_number(v) || end != v.c_str() + v.size() || !std::isfinite(value) || value < min ||
                           value > max) {
                         std::ostringstream why;
                         why << "expects a number from " << min << " to " << max;
@@ -84,7 +95,7 @@ void ArgParser::add_bytes(const std::string& name, const std::string& help, std:
                         *target = parse_bytes(v);
                       } catch (const std::invalid_argument&) {
                         return std::string("expects a size of at least 1 byte, a whole number of bytes (within "
-                                           "1%), such as 512MiB or 1.5GiB");
+                                           "1%), such as 512MiB, 1.5GiB or 4GB (KB, MB, GB, TB: powers of 1000)");
                       }
                       return std::string();
                     }});
@@ -180,6 +191,7 @@ ArgParser::Outcome ArgParser::try_parse(int argc, const char* const* argv) {
       arg = arg.substr(0, eq);
       inline_value = true;
     }
+    if (arg == "--help") return {.help = false, .error = "--help takes no value"};
     const Flag* flag = find(arg);
     if (!flag) return {.help = false, .error = "unknown option '" + arg + "'"};
     // The last of two would win without a word: a script that adds its own --threads to the caller's ran with one of
@@ -190,6 +202,11 @@ ArgParser::Outcome ArgParser::try_parse(int argc, const char* const* argv) {
     } else if (!inline_value) {
       if (i + 1 >= argc) return {.help = false, .error = arg + " needs a value (" + flag->value_name + ")"};
       value = argv[++i];
+      // `--csv --skip-naive` wrote a file named --skip-naive and dropped the flag: a value that looks like an
+      // option is refused (one that really starts with -- can still be given as arg=value).
+      if (value.rfind("--", 0) == 0)
+        return {.help = false, .error = arg + " needs a value (" + flag->value_name + "), not the option '" + value +
+                                        "' (a value that starts with -- goes as " + arg + "=" + value + ")"};
     }
     if (std::string why = flag->set(value); !why.empty()) {
       if (value.empty()) return {.help = false, .error = arg + " " + why};
@@ -274,23 +291,28 @@ std::int64_t parse_bytes(const std::string& text) {
   std::size_t used = 0;
   double value = 0;
   try {
-    value = std::stod(text, &used);
+    if (decimal_number(text)) value = std::stod(text, &used);
   } catch (const std::exception&) {
     used = 0;
   }
   const std::string unit = text.substr(used);
+  // As GNU's tools read them: K, KiB (and M, G, T) are powers of 1024, KB (MB, GB, TB) powers of 1000.
   double scale = 0;
   if (unit.empty() || unit == "B") scale = 1;
-  else if (unit == "K" || unit == "KB" || unit == "KiB") scale = 1024.0;
-  else if (unit == "M" || unit == "MB" || unit == "MiB") scale = 1024.0 * 1024;
-  else if (unit == "G" || unit == "GB" || unit == "GiB") scale = 1024.0 * 1024 * 1024;
-  else if (unit == "T" || unit == "TB" || unit == "TiB") scale = 1024.0 * 1024 * 1024 * 1024;
+  else if (unit == "K" || unit == "KiB") scale = 1024.0;
+  else if (unit == "M" || unit == "MiB") scale = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GiB") scale = 1024.0 * 1024 * 1024;
+  else if (unit == "T" || unit == "TiB") scale = 1024.0 * 1024 * 1024 * 1024;
+  else if (unit == "KB") scale = 1e3;
+  else if (unit == "MB") scale = 1e6;
+  else if (unit == "GB") scale = 1e9;
+  else if (unit == "TB") scale = 1e12;
   const double exact = value * scale, bytes = std::round(exact);
   // Rounding to whole bytes may not change the size noticeably: 0.5 or 1e-9GiB is not a size, 0.1GiB is.
   if (used == 0 || scale == 0 || !std::isfinite(exact) || exact < 1 || bytes > 9.0e18 ||
       std::abs(bytes - exact) > 0.01 * exact)
     throw std::invalid_argument("expects a size of at least 1 byte, a whole number of bytes (within 1%), such as "
-                                "512MiB or 16GiB, got '" + text + "'");
+                                "512MiB, 16GiB or 4GB (KB, MB, GB, TB: powers of 1000), got '" + text + "'");
   return static_cast<std::int64_t>(bytes);
 }
 
@@ -328,6 +350,16 @@ std::string format_bytes(double bytes) {
   return out;
 }
 
+namespace {
+std::mutex files_read_mutex;
+std::vector<std::pair<std::string, std::string>> files_read_so_far;  // guarded by files_read_mutex
+}  // namespace
+
+std::vector<std::pair<std::string, std::string>> files_read() {
+  const std::lock_guard lock(files_read_mutex);
+  return files_read_so_far;
+}
+
 std::string read_input_file(const std::string& flag, const std::string& path, std::size_t max_bytes, bool truncate) {
   const std::string what = flag + " " + path;
   // O_NONBLOCK: opening a FIFO must not wait for a writer before its kind is checked.
@@ -362,6 +394,8 @@ std::string read_input_file(const std::string& flag, const std::string& path, st
   }
   ::close(fd);
   text.resize(done);
+  const std::lock_guard lock(files_read_mutex);
+  files_read_so_far.emplace_back(flag, path);
   return text;
 }
 

@@ -1,8 +1,7 @@
 #pragma once
 // The command line every chapter binary shares: one parser, one set of common flags, one way to fail.
 //   --help, --model PATH, --prompt TEXT | --prompt-file PATH, --max-new-tokens N, --temperature X,
-//   --top-k N, --seed N, --threads N, --csv PATH
-//   --memory-limit SIZE
+//   --top-k N, --seed N, --backend NAME, --threads N, --csv PATH, --memory-limit SIZE
 // A chapter adds its own flags to the same parser. Text goes to stdout; everything else to stderr.
 //
 // Errors, in every binary: one line on stderr, "<program>: error: <what is wrong and how to fix it>".
@@ -92,7 +91,7 @@ struct CommonOptions {
 enum class CommonFlags {
   kGeneration,  // all of them (the chapters)
   kGreedy,      // no --temperature, --top-k, --seed (a benchmark that must decode greedily)
-  kModelOnly,   // --model, --threads, --csv (reads a text instead of generating)
+  kModelOnly,   // --model, --backend, --threads, --csv, --memory-limit (reads a text instead of generating)
 };
 
 // Registers the common flags; `default_prompt` is described in --help (and the current option values are
@@ -121,6 +120,9 @@ std::vector<int> parse_int_list(const std::string& flag, const std::string& text
 // Throws std::runtime_error naming the flag and the path.
 std::string read_input_file(const std::string& flag, const std::string& path, std::size_t max_bytes,
                             bool truncate = false);
+// Every file read_input_file has read in this process, as {flag, path}: no results file may replace one
+// (check_output_path, csv.h), whichever chapter read it (a --csv over data/kjv/valid.txt would destroy the text).
+std::vector<std::pair<std::string, std::string>> files_read();
 
 // The repository a binary belongs to: the nearest folder at or above `start` that holds common/model.h
 // and data/ (a repository of this project), or empty if there is none. A neighbour's data/ never counts.

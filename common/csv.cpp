@@ -19,13 +19,21 @@ bool same_file(const std::string& a, const std::string& b) {
   return !ec_a && !ec_b && pa == pb;  // a path that cannot be resolved is not "the same"
 }
 
+// Throws UsageError if `output` is one of the files the run has read (read_input_file) or names as inputs.
+void refuse_inputs(const NamedPath& output, const std::vector<NamedPath>& others) {
+  std::vector<NamedPath> inputs = others;
+  for (auto& [flag, path] : files_read()) inputs.push_back({flag, path});
+  for (const NamedPath& other : inputs)
+    if (!other.path.empty() && same_file(output.path, other.path))
+      throw UsageError(output.flag + " " + output.path + " is the same file as " + other.flag +
+                       "; write the results somewhere else");
+}
+
 }  // namespace
 
 void check_output_path(const NamedPath& output, const std::vector<NamedPath>& others) {
   const std::string what = output.flag + " " + output.path;
-  for (const NamedPath& other : others)
-    if (!other.path.empty() && same_file(output.path, other.path))
-      throw UsageError(what + " is the same file as " + other.flag + "; write the results somewhere else");
+  refuse_inputs(output, others);
   std::error_code ec;
   const fs::file_status status = fs::status(output.path, ec);
   if (fs::exists(status) && !fs::is_regular_file(status))
@@ -61,6 +69,7 @@ std::string CsvWriter::quoted(const std::string& text) {
 
 void CsvWriter::commit() {
   if (!enabled()) return;
+  refuse_inputs(output_, {});  // a file read since the writer was made (the check above saw the ones before)
   const std::string content = header_ + '\n' + rows_;
   ReplacingFile file(output_.path, output_.flag + " " + output_.path);
   file.write(content.data(), content.size());

@@ -2,7 +2,9 @@
 
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
+#include <utility>
 
 namespace kvs {
 namespace {
@@ -12,7 +14,12 @@ double interval_from_environment() {
   if (!value || !*value) return 1000;
   char* end = nullptr;
   const double ms = std::strtod(value, &end);
-  return *end == '\0' && ms >= 0 ? ms : 1000;  // anything else: the default, never an error in a run
+  if (*end == '\0' && ms >= 0 && ms <= 1e9) return ms;
+  // Anything else: the default, never an error in a run (progress only shows it), but said once.
+  static bool said = false;
+  if (!std::exchange(said, true))
+    std::fprintf(stderr, "KVS_PROGRESS_MS=%s is not milliseconds from 0 to 1e9: progress every 1000 ms\n", value);
+  return 1000;
 }
 
 }  // namespace

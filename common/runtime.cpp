@@ -38,12 +38,7 @@ Checkpoint load_for_chapters(const CommonOptions& options) {
     if (!options.model.empty()) throw UsageError("--synthetic replaces --model; give one of them");
     return synthetic_model(options.synthetic, options.memory_limit);
   }
-  Checkpoint checkpoint(resolve_model_path(options));
-  if (checkpoint.config().vocab_size != kByteVocab)
-    throw std::runtime_error(checkpoint.path() + " has a vocabulary of " +
-                             std::to_string(checkpoint.config().vocab_size) +
-                             " tokens; the chapters use the byte-level tokenizer, which needs exactly 256");
-  return checkpoint;
+  return load_byte_level_checkpoint(options);
 }
 
 // The longest sequence the run will process, after checking that the prompt fits; then the memory check.
@@ -67,6 +62,15 @@ MemoryPlan plan_run(const CommonOptions& options, const Checkpoint& checkpoint, 
 }
 
 }  // namespace
+
+Checkpoint load_byte_level_checkpoint(const CommonOptions& options) {
+  Checkpoint checkpoint(resolve_model_path(options));
+  if (checkpoint.config().vocab_size != kByteVocab)
+    throw std::runtime_error(checkpoint.path() + " has a vocabulary of " +
+                             std::to_string(checkpoint.config().vocab_size) +
+                             " tokens; the chapters use the byte-level tokenizer, which needs exactly 256");
+  return checkpoint;
+}
 
 Runtime::Runtime(const CommonOptions& options, const std::string& default_prompt, PromptFit fit, int longest_sequence,
                  int kv_rows)
@@ -129,8 +133,10 @@ std::string MemoryPlan::describe() const {
 
 void check_memory(const MemoryPlan& plan, std::int64_t limit, const std::string& who) {
   if (plan.total() <= limit) return;
-  throw UsageError(who + " needs " + format_bytes(double(plan.total())) + " (" + plan.describe().substr(8) +
-                   "), more than --memory-limit " + format_bytes(double(limit)) +
+  std::string needs = format_bytes(double(plan.total())), allowed = format_bytes(double(limit));
+  if (needs == allowed)  // "needs 4.1 MiB, more than 4.1 MiB": both in bytes then
+    needs = std::to_string(plan.total()) + " bytes", allowed = std::to_string(limit) + " bytes";
+  throw UsageError(who + " needs " + needs + " (" + plan.describe().substr(8) + "), more than --memory-limit " + allowed +
                    "; use fewer positions or raise --memory-limit");
 }
 

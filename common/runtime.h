@@ -20,6 +20,10 @@ namespace kvs {
 // One line for stderr: model shape, backend and threads.
 std::string describe_setup(const Checkpoint& checkpoint, const Backend& backend);
 
+// The checkpoint at --model (default: the shipped one), refused with std::runtime_error unless its vocabulary
+// is the byte tokenizer's 256 tokens: every chapter reads and writes bytes.
+Checkpoint load_byte_level_checkpoint(const CommonOptions& options);
+
 // The memory a run will use, known before anything is allocated.
 struct MemoryPlan {
   std::int64_t weights = 0;         // the model's weights in backend memory (Model::weight_bytes)

@@ -449,10 +449,14 @@ TEST_CASE("paged sequences: blocks freed and reused by another request, each que
   });
 }
 
-TEST_CASE("block pool: exhaustion is refused, a double free and a shared block are caught, every block comes back") {
+TEST_CASE("block pool: more rows than an int or exhaustion is refused, a double free and a shared block are caught, every block comes back") {
   CpuBackend cpu(1);
   const ModelConfig c{.dim = 16, .hidden_dim = 32, .n_layers = 1, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 256,
                       .seq_len = 64};
+  // Rows are ints: 2^31 - 1 of them at most, refused before anything is allocated.
+  CHECK(BlockPool::max_blocks(4) == 536870911);
+  CHECK_THROWS_WITH(BlockPool(cpu, c, 536870912, 4, 2, 64), doctest::Contains("more rows than an int numbers"));
+  CHECK_THROWS_WITH(BlockPool(cpu, c, 0, 4, 2, 64), doctest::Contains("blocks must be at least 1"));
   BlockPool pool(cpu, c, 4, 3, 2, 64);
   {
     PagedSequence a(pool);
@@ -886,6 +890,29 @@ TEST_CASE("08_paged_batching --experiment products: both paths per token count, 
   const auto elsewhere = test::run_command(bin + " --experiment memory --tokens 4");
   CHECK(elsewhere.exit_code == 2);
   CHECK(elsewhere.err.find("--tokens") != std::string::npos);
+}
+
+// Settings that would have run otherwise than asked, refused before anything runs: a watermark of the whole pool
+// (batching silently off), a budget past the context (it failed after the setup lines), more blocks than int rows
+// (the pool was silently cut to 2^24 blocks).
+TEST_CASE("08_paged_batching: a watermark of the whole pool, a step past the context, a pool past int rows: one line") {
+  const std::string bin = std::string(KVS_BIN_DIR) + "/08_paged_batching --model " + test::golden_path("mha.bin") +
+                          " --threads 1 --requests 2 --prompt-lengths 4,8 --output-lengths 2,2 --max-batch 4";
+  const auto fine = test::run_command(bin + " --kv-memory 64KiB --watermark 1");
+  CAPTURE(fine.err);
+  REQUIRE(fine.exit_code == 0);
+  for (const auto& [flags, message] : std::vector<std::pair<std::string, std::string>>{
+           {" --kv-memory 64KiB --watermark 100000", "--watermark 100000 keeps free at least all "},
+           {" --token-budget 200", "--token-budget 200 exceeds the model's context of 96 positions; give at most 96"},
+           {" --block-size 1 --kv-memory 100TiB --memory-limit 200TiB", " (rows are ints); give less memory"},
+       }) {
+    CAPTURE_BINDING(flags);
+    const auto bad = test::run_command(bin + flags);
+    CAPTURE(bad.err);
+    CHECK(bad.exit_code == 2);
+    CHECK(std::count(bad.err.begin(), bad.err.end(), '\n') == 1);
+    CHECK(bad.err.find(message) != std::string::npos);
+  }
 }
 
 // --synthetic for the throughput experiment: random weights of a chosen shape (a model too large for the caches, where

@@ -342,6 +342,19 @@ TEST_CASE("chapter 00: perplexity of a small text, and a bad context is refused"
                                     " --max-bytes 1");  // failed with exit 1, as if the text were at fault
   CHECK(one_byte.exit_code == 2);
   CHECK(one_byte.err.find("--max-bytes 1 leaves nothing to predict; give at least 2") != std::string::npos);
+  // An empty text: one line, before the setup lines (they came first, and the error blamed nothing to fix).
+  kvs::test::TempDir empty_dir;
+  std::ofstream(empty_dir.file("empty.txt")).flush();
+  const auto empty = run_command(binary("00_perplexity") + " --model " + golden_path("mha.bin") + " --context 32 --text " +
+                                 empty_dir.file("empty.txt"));
+  CHECK(empty.exit_code == 1);
+  CHECK(std::count(empty.err.begin(), empty.err.end(), '\n') == 1);
+  CHECK(empty.err.find("holds 0 byte(s); one byte predicts nothing: give a text of at least 2") != std::string::npos);
+  // A model that is not byte-level is refused as in every chapter (it printed bits/byte of a 203-way softmax).
+  const auto vocab = run_command(binary("00_perplexity") + " --model " + golden_path("mqa.bin") + " --max-bytes 30");
+  CHECK(vocab.exit_code == 1);
+  CHECK(vocab.err.find("vocabulary of 203 tokens; the chapters use the byte-level tokenizer") != std::string::npos);
+  CHECK(vocab.out.empty());
   // Progress (common/progress.h), every update (KVS_PROGRESS_MS=0) and to a file: a line each, no carriage return.
   const auto many = run_command("KVS_PROGRESS_MS=0 " + binary("00_perplexity") + " --model " + golden_path("mha.bin") +
                                 " --context 3 --max-bytes 300 --threads 1");
@@ -352,6 +365,14 @@ TEST_CASE("chapter 00: perplexity of a small text, and a bad context is refused"
   CHECK(many.err.find("evaluating 300 bytes of data/kjv/valid.txt in chunks of 3") != std::string::npos);
   CHECK(many.err.find("  evaluated: 1 of 100 chunks, ") != std::string::npos);
   CHECK(many.err.find("  evaluated: 100 of 100 chunks, ") != std::string::npos);
+  // A malformed interval is said once and the run goes on at the default (progress never stops a run).
+  const auto bad_interval = run_command("KVS_PROGRESS_MS=5x " + binary("00_perplexity") + " --model " +
+                                        golden_path("mha.bin") + " --context 3 --max-bytes 30 --threads 1");
+  CAPTURE(bad_interval.err);
+  CHECK(bad_interval.exit_code == 0);
+  const std::string said = "KVS_PROGRESS_MS=5x is not milliseconds from 0 to 1e9: progress every 1000 ms\n";
+  REQUIRE(bad_interval.err.find(said) != std::string::npos);
+  CHECK(bad_interval.err.find(said) == bad_interval.err.rfind(said));
 }
 
 TEST_CASE("03_benchmark: a small sweep runs, every cache matches naive, and the CSVs have one row per run") {
@@ -410,6 +431,14 @@ TEST_CASE("03_benchmark: a small sweep runs, every cache matches naive, and the 
   const auto no_room = run_command(binary("03_benchmark") + " --model " + golden_path("mha.bin") + " --max-new-tokens 96");
   CHECK(no_room.exit_code == 2);
   CHECK(no_room.err.find("--max-new-tokens 96 leaves no room for a prompt in the model's context of 96") != std::string::npos);
+  // A context of 2 holds no prompt with the 2 tokens the benchmark needs: no "give at most 1" it would refuse.
+  kvs::test::TempDir dir2;
+  const kvs::ModelConfig tiny{.dim = 16, .hidden_dim = 24, .n_layers = 1, .n_heads = 2, .n_kv_heads = 1,
+                              .vocab_size = 256, .seq_len = 2};
+  kvs::write_checkpoint(dir2.file("tiny.bin"), tiny, kvs::test::random_weights(tiny, 3));
+  const auto tiny_run = run_command(binary("03_benchmark") + " --model " + dir2.file("tiny.bin") + " --max-new-tokens 2");
+  CHECK(tiny_run.exit_code == 2);
+  CHECK(tiny_run.err.find("the model's context of 2 positions holds no prompt and 2 new tokens") != std::string::npos);
 }
 
 TEST_CASE("03_benchmark --breakdown: one row per length, every part of the step measured, and sweep-only flags are refused") {
@@ -599,6 +628,7 @@ TEST_CASE("chapter 05: corrupts one cached key on a small checkpoint, writes its
            {"--position 16 --prompt 'In the beginning'", "--position 16 is out of range: at step 0 the cache holds positions 0..15"},
            {"--at-step 29", "--at-step 29 is out of range"},
            {"--kind zeros --amount 2", "--amount means nothing with --kind zeros"},
+           {"--kind scale --corruption-seed 5", "--corruption-seed means nothing with --kind scale"},
            {"--kind sideways", "--kind 'sideways'"},
            {"--experiment sweep --layer 1", "--layer is for --experiment run"},
            {"--seeds 2", "--seeds is for --experiment sweep"},

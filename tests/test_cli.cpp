@@ -110,6 +110,8 @@ TEST_CASE("cli: unknown flags and bad values are named in the error") {
   CHECK(parse({"--temperature", "nan"}).outcome.error.find("--temperature expects a number") != std::string::npos);
   CHECK(parse({"--temperature", "-0.5"}).outcome.error.find("got '-0.5'") != std::string::npos);
   CHECK(parse({"--temperature", "1.0x"}).outcome.error.find("got '1.0x'") != std::string::npos);
+  CHECK(parse({"--temperature", "0x1"}).outcome.error.find("expects a number from 0 to 100, got '0x1'") != std::string::npos);
+  CHECK(parse({"--temperature", " 1"}).outcome.error.find("expects a number") != std::string::npos);
   // 1e-50 reads as 0 (strtof underflows): it asked to sample, and 0 would have decoded greedily without a word
   CHECK(parse({"--temperature", "1e-50"}).outcome.error ==
         "--temperature is too close to 0 for a float (it reads as 0); give 0 or a number further from 0, got '1e-50'");
@@ -118,6 +120,12 @@ TEST_CASE("cli: unknown flags and bad values are named in the error") {
   CHECK(parse({"--temperature", "1e-3"}).outcome.error.empty());
   CHECK(parse({"--seed", "12a"}).outcome.error.find("--seed expects") != std::string::npos);
   CHECK(parse({"--model"}).outcome.error == "--model needs a value (PATH)");
+  // A missing value does not swallow the next option (`--csv --threads 1` wrote a file named --threads).
+  CHECK(parse({"--csv", "--threads", "1"}).outcome.error ==
+        "--csv needs a value (PATH), not the option '--threads' (a value that starts with -- goes as --csv=--threads)");
+  CHECK(parse({"--prompt=--not-a-flag"}).outcome.error.empty());
+  CHECK(parse({"--prompt", "-1 is a fine prompt"}).outcome.error.empty());
+  CHECK(parse({"--help=1"}).outcome.error == "--help takes no value");
 }
 
 TEST_CASE("cli: a list is whole numbers between commas, and an empty item anywhere is refused") {
@@ -153,7 +161,10 @@ TEST_CASE("cli: sizes are whole bytes, at least one, and nothing is silently rou
   CHECK(parse_bytes("1.5G") == 3ll << 29);
   CHECK(parse_bytes("0.1GiB") == 107374182);  // 0.4 bytes of rounding is not noticeable
   CHECK(parse_bytes("1000000") == 1000000);
-  for (const std::string bad : {"0", "0.5", "1e-9GiB", "-1MiB", "lots", "12XB", "", "inf"}) {
+  CHECK(parse_bytes("4MB") == 4000000);  // as GNU's tools: MB is 10^6 bytes, M and MiB 2^20
+  CHECK(parse_bytes("4M") == 4ll << 20);
+  CHECK(parse_bytes("2TB") == 2000000000000ll);
+  for (const std::string bad : {"0", "0.5", "1e-9GiB", "-1MiB", "lots", "12XB", "", "inf", "0x100", " 5MiB", "+5MiB"}) {
     CAPTURE(bad);
     CHECK_THROWS_AS(parse_bytes(bad), std::invalid_argument);
   }

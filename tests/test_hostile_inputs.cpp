@@ -208,6 +208,21 @@ TEST_CASE("results: an output path that is an input is refused and the input sur
                                  kvs::find_data_file("kjv/valid.txt"));
   CHECK(valid.exit_code == 2);
   CHECK(valid.err.find("is the same file as the validation text") != std::string::npos);
+  // Any file a chapter reads, wherever it reads it (common/cli.h's files_read): the held-out text, a trace. (With
+  // the guard broken, this overwrites the repository's held-out text: `git checkout data/kjv/valid.txt` brings it back.)
+  const std::string held_out_before = slurp(kvs::find_data_file("kjv/valid.txt"));
+  const auto window = run_command(binary("04_sliding_window") + small_model() +
+                                  " --experiment perplexity --windows 8 --max-bytes 40 --csv " +
+                                  kvs::find_data_file("kjv/valid.txt"));
+  CHECK(window.exit_code == 2);
+  CHECK(window.err.find("is the same file as the held-out text; write the results somewhere else") != std::string::npos);
+  REQUIRE(slurp(kvs::find_data_file("kjv/valid.txt")) == held_out_before);
+  const std::string trace = dir.file("trace.txt");
+  std::ofstream(trace) << "0 2 In the beginning\n";
+  const auto served = run_command(binary("08_paged_batching") + small_model() + " --trace " + trace + " --csv " + trace);
+  CHECK(served.exit_code == 2);
+  CHECK(served.err.find("--csv " + trace + " is the same file as --trace") != std::string::npos);
+  CHECK(slurp(trace) == "0 2 In the beginning\n");
   const auto both = run_command(binary("03_benchmark") + small_model() + " --lengths 8 --max-new-tokens 3 --csv " +
                                 dir.file("x.csv") + " --memory-csv " + dir.file("x.csv"));
   CHECK(both.exit_code == 2);

@@ -323,7 +323,9 @@ TEST_CASE("chapter 09: the samples, break and mixed runs check themselves - bad 
   const std::vector<std::string> refused = {
       "--experiment nope", "--samples 0", "--experiment break --samples 1", "--experiment prefix --prefix-length 2040",
       "--experiment mixed --kv-memory 100KiB", "--experiment prefix --counts 80 --token-budget 128",
-      "--experiment mixed --model " + test::golden_path("mha.bin") + " --token-budget 32"};
+      "--experiment mixed --model " + test::golden_path("mha.bin") + " --token-budget 32",
+      // a budget past the context (it failed after the table's header), and one the experiment would not read
+      "--experiment prefix --counts 2 --token-budget 4096", "--samples 2 --token-budget 8"};
   for (const std::string& flags : refused) {
     CAPTURE(flags);
     const auto r = test::run_command(bin + " " + flags);

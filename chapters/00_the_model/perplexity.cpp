@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
+#include <stdexcept>
+#include <string>
 
 #include "backends.h"
 #include "cli.h"
@@ -35,7 +37,7 @@ int main(int argc, char** argv) {
 
   return kvs::run_main(parser, [&] {
     // No prompt, no sampler, no cache: just the model, reading the text below.
-    const kvs::Checkpoint checkpoint(kvs::resolve_model_path(options));
+    const kvs::Checkpoint checkpoint = kvs::load_byte_level_checkpoint(options);
     if (context > checkpoint.config().seq_len)
       throw kvs::UsageError("--context " + std::to_string(context) + " exceeds the model's context of " +
                             std::to_string(checkpoint.config().seq_len));
@@ -51,6 +53,9 @@ int main(int argc, char** argv) {
     // Up to 1 GiB, or only the first --max-bytes of a larger file.
     const std::string text = kvs::read_input_file("--text", text_path, max_bytes > 0 ? std::size_t(max_bytes) : 1u << 30,
                                                   max_bytes > 0);
+    if (text.size() < 2)  // said before the setup lines: nothing has run
+      throw std::runtime_error("--text " + text_name + " holds " + std::to_string(text.size()) +
+                               " byte(s); one byte predicts nothing: give a text of at least 2");
     kvs::Model model(checkpoint, backend, context, context);  // one chunk of `context` positions per call
     std::cerr << kvs::describe_setup(checkpoint, backend) << "\n" << memory.describe() << "\nevaluating "
               << text.size() << " bytes of " << text_name << " in chunks of " << context << "\n";

@@ -35,6 +35,10 @@ struct Row {
 // length again and again); `note` says what was shortened, for the run's header.
 std::vector<int> lengths_that_fit(const std::vector<int>& asked, int context, int new_tokens, std::string& note) {
   const int longest_prompt = context - new_tokens;
+  if (context < 3)  // a one-token prompt and the 2 new tokens a timed decode step needs
+    throw kvs::UsageError("the model's context of " + std::to_string(context) + " position" + (context > 1 ? "s" : "") +
+                          " holds no prompt and 2 new tokens (the fewest that time a decode step); use a model with "
+                          "a context of at least 3");
   if (longest_prompt < 1)
     throw kvs::UsageError("--max-new-tokens " + std::to_string(new_tokens) + " leaves no room for a prompt in the "
                           "model's context of " + std::to_string(context) + "; give at most " + std::to_string(context - 1));

@@ -442,7 +442,8 @@ void memory_vs_length(const Lab& lab, Window window, int new_tokens, CsvWriter& 
     // The full cache cannot go past the trained context; the window can, with within-window positions.
     const int tokens = w.size == 0 ? std::min(new_tokens, c.seq_len - int(prompt.size())) : new_tokens;
     auto cache = make_cache(lab, w, int(prompt.size()) + tokens);
-    std::vector<std::int64_t> resident, rss;
+    std::vector<std::int64_t> resident, rss;  // (tokens / kBlock, rounded up) a row each, reserved: no allocation in the run
+    resident.reserve(tokens / kBlock + 1), rss.reserve(tokens / kBlock + 1);
     const Generation g = generate_with(lab, *cache, prompt, tokens, [&](int step, std::span<const float>) {
       if ((step + 1) % kBlock == 0 || step + 1 == tokens) resident.push_back(cache_resident_bytes(*cache)), rss.push_back(kvs::peak_resident_bytes());
     });

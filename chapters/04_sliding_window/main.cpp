@@ -60,7 +60,8 @@ int main(int argc, char** argv) {
       "  fluency     local fluency (known words) and topic (names from the prompt) per window\n"
       "  stream      bits/byte over one stream of 4x the trained context, window without and with sinks;\n"
       "              the attention the first positions receive, per layer\n"
-      "  memory      time and memory per token vs generated length, full cache vs --window\n"
+      "  memory      time and memory per token vs generated length, full cache vs --window (the full\n"
+      "              cache stops at the model's context, the window runs all of --max-new-tokens)\n"
       "  samples     the same prompt at --windows (default full,256,32), texts to stdout\n"
       "CSV columns (--csv), per experiment:\n"
       "  generate    window, sinks, positions, prompt_tokens, new_tokens, slots, allocated_bytes, resident_bytes,\n"
@@ -73,11 +74,11 @@ int main(int argc, char** argv) {
       "  memory      cache, generated, ms_p50, ms_p99, allocated_bytes, resident_bytes, peak_rss_bytes");
   kvs::add_common_flags(parser, options, '"' + std::string(kDefaultPrompt) + '"');
   parser.add_string("--experiment", "NAME", "what to run (default generate; see above)", &experiment);
-  parser.add_int("--window", "keys each query sees, sinks included (default 256)", &window, 1, 1 << 21);
+  parser.add_int("--window", "keys each query sees, sinks included (default 256, or the model's context if shorter)", &window, 1, 1 << 21);
   parser.add_int("--sinks", "first positions kept forever (default 0; recall and fluency: in every window; perplexity and stream compare 0 with this, default 4 there)",
                  &sinks, 0, 1 << 21);
   parser.add_string("--positions", "KIND", "absolute or within-window (default absolute; see above)", &positions_name);
-  parser.add_int("--chunk", "positions per forward call: prefill and evaluation (default 64)", &chunk, 1, 4096);
+  parser.add_int("--chunk", "positions per forward call: prefill and evaluation (default 64, or the model's context if shorter)", &chunk, 1, 4096);
   parser.add_string("--windows", "LIST", "windows for perplexity, recall, fluency and samples, e.g. full,256,32", &windows_text);
   parser.add_string("--distances", "LIST", "recall and induction: distances d of 98 or more bytes (default 128,256,512,1024)",
                     &distances_text);
@@ -130,6 +131,7 @@ int main(int argc, char** argv) {
     // (a full cache) or window + chunk - 1 ring slots: both need the context, so read it first.
     const int seq_len = kvs::Checkpoint(kvs::resolve_model_path(options)).config().seq_len;
     if (!parser.given("--window")) window = std::min(window, seq_len);  // a small model's context may be shorter
+    if (!parser.given("--chunk")) chunk = std::min(chunk, seq_len);      // (defaults only: a given value is refused)
     if (!parser.given("--sinks") && (experiment == "perplexity" || experiment == "stream")) sinks = std::min(4, window - 1);
     if (std::ranges::count(one_window, experiment) > 0 && sinks >= window)
       throw kvs::UsageError("--sinks " + std::to_string(sinks) + " must be smaller than --window " + std::to_string(window));
@@ -185,7 +187,7 @@ int main(int argc, char** argv) {
                                 ? "it needs a model with a context of at least " + std::to_string(full_rows) + " (or shorter --distances)"
                                                     : std::string("leave 'full' out of --windows") +
                                                           (full_rows - new_tokens < seq_len ? ", or ask for fewer --max-new-tokens" : "")));
-    const int kv_rows = std::max(uses_full ? full_rows : 0, widest > 0 ? widest + chunk - 1 : 0);
+    const int kv_rows = std::max(uses_full ? full_rows : 0, widest > 0 ? kvs::ch04::ring_slots(widest, chunk) : 0);
     kvs::Runtime rt(options, kDefaultPrompt, kvs::PromptFit::kCutByCaller, chunk, kv_rows);
     const kvs::ModelConfig& c = rt.model.config();
     const int prompt_tokens = static_cast<int>(rt.prompt.size());

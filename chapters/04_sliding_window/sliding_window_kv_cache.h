@@ -38,6 +38,9 @@ inline const char* to_string(KeyPositions positions) {
   return positions == KeyPositions::kAbsolute ? "absolute" : "within-window";
 }
 
+// The ring's slots for a window of `window_size` positions fed `max_tokens_per_call` at a time (why: above).
+inline int ring_slots(int window_size, int max_tokens_per_call) { return window_size + max_tokens_per_call - 1; }
+
 class SlidingWindowKvCache final : public KvCache {
  public:
   SlidingWindowKvCache(Backend& backend, const ModelConfig& config, Window window, int max_tokens_per_call,
@@ -49,7 +52,7 @@ class SlidingWindowKvCache final : public KvCache {
         max_tokens_per_call_(max_tokens_per_call),
         positions_(positions),
         window_(check(window, max_tokens_per_call, positions, config.seq_len)),
-        ring_{window.size + max_tokens_per_call - 1, window.sinks},
+        ring_{ring_slots(window.size, max_tokens_per_call), window.sinks},
         storage_(backend, std::size_t(config.n_layers) * 2 * ring_.slots * config.kv_dim()),
         slot_positions_(ring_.slots, -1),
         row_positions_(backend, ring_.slots) {

@@ -85,6 +85,8 @@ int main(int argc, char** argv) {
     if (kind_name != "normal" && kind_name != "zeros" && kind_name != "scale")
       return "--kind '" + kind_name + "': use normal, zeros or scale";
     if (parser.given("--amount") && kind_name == "zeros") return std::string("--amount means nothing with --kind zeros");
+    if (parser.given("--corruption-seed") && kind_name != "normal")
+      return "--corruption-seed means nothing with --kind " + kind_name + " (only normal draws a random vector)";
     if (kind_name == "normal" && parser.given("--amount") && amount < 0) return std::string("--amount: a standard deviation is >= 0");
     if (options.max_new_tokens < 2) return std::string("--max-new-tokens: at least 2 (one step before the corruption, one after)");
     return std::string();

@@ -158,8 +158,8 @@ int main(int argc, char** argv) {
       "Greedy decoding.\n"
       "--experiment run (default): the correct cache and the off-by-one cache side by side (stdout), per-step KL\n"
       "    and max |dlogit| (teacher-forced), and the project's equivalence check on both (stderr);\n"
-      "--experiment probes: --prompts held-out prompts, one run of 400 tokens each: how many probes of 5..400\n"
-      "    tokens pass, checking tokens only and tokens + logits; both shifts unless --shift is given.\n"
+      "--experiment probes: --prompts held-out prompts, one run each of the longest --probe-tokens: how many\n"
+      "    probes of each length pass, checking tokens only and tokens + logits; both shifts unless --shift is given.\n"
       "CSV columns (--csv):\n"
       "  run: step, position, correct_token, broken_token, tokens_match (of the free-running texts), kl,\n"
       "      max_abs_logit (the largest |difference| of a logit; kl and it teacher-forced)\n"
@@ -182,7 +182,7 @@ int main(int argc, char** argv) {
     if (options.max_new_tokens < 1) return std::string("--max-new-tokens: at least 1 (the caches are compared step by step)");
     return std::string();
   });
-  // The probes cut their own prompts from the held-out text and generate 400 tokens each.
+  // The probes cut their own prompts from the held-out text and generate the longest --probe-tokens each.
   parser.add_read_only_by("--experiment", &experiment,
                           {{"--max-new-tokens", {"run"}},
                            {"--prompt", {"run"}},

@@ -98,7 +98,11 @@ int pool_blocks(const Setup& s, int block_size, std::int64_t bytes) {
   if (bytes < per_block)
     throw UsageError("--kv-memory " + format_bytes(double(bytes)) + " holds no block of " + std::to_string(block_size) +
                      " positions (" + format_bytes(double(per_block)) + "); give it more memory or use smaller blocks");
-  return static_cast<int>(std::min<std::int64_t>(bytes / per_block, 1 << 24));
+  if (bytes / per_block > BlockPool::max_blocks(block_size))
+    throw UsageError("--kv-memory " + format_bytes(double(bytes)) + " makes " + std::to_string(bytes / per_block) +
+                     " blocks of " + std::to_string(block_size) + " positions, past the pool's " +
+                     std::to_string(BlockPool::max_blocks(block_size)) + " (rows are ints); give less memory");
+  return static_cast<int>(bytes / per_block);
 }
 }  // namespace
 
@@ -141,7 +145,13 @@ void check_pools(const Setup& s, const std::string& experiment) {
   }
   for (int block_size : block_sizes) {
     // As make_pool's pool would hold: its block tables are sized for the model's context.
-    const int positions = pool_positions(blocks_needed(c.seq_len, block_size), pool_blocks(s, block_size, s.kv_memory), block_size);
+    const int blocks = pool_blocks(s, block_size, s.kv_memory);
+    // A watermark of the whole pool admits nobody beside a running sequence: batching off, without a word.
+    if (options.watermark_blocks >= blocks)
+      throw UsageError("--watermark " + std::to_string(options.watermark_blocks) + " keeps free at least all " +
+                       std::to_string(blocks) + " blocks of " + std::to_string(block_size) +
+                       " positions the pool holds, so no sequence joins a running one; give fewer");
+    const int positions = pool_positions(blocks_needed(c.seq_len, block_size), blocks, block_size);
     if (experiment != "throughput") check_requests(s.rt.model, positions, s.requests, options);
     else  // requests of its own, per batch size
       for (int batch : s.batch_sizes)

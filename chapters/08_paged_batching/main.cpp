@@ -42,8 +42,8 @@ int main(int argc, char** argv) {
   parser.add_string("--experiment", "NAME", "serve, throughput, memory, batching, preemption, break or products (default serve)", &experiment);
   parser.add_string("--trace", "PATH", "read the requests from this file (format above)", &trace_file);
   parser.add_int("--requests", "requests to draw from the held-out text (default 32)", &shape.count, 1, 100000);
-  parser.add_string("--prompt-lengths", "MIN,MAX", "prompt tokens of a drawn request (default 16,256)", &prompt_lengths);
-  parser.add_string("--output-lengths", "MIN,MAX", "new tokens of a drawn request (default 16,128)", &output_lengths);
+  parser.add_string("--prompt-lengths", "MIN,MAX", "prompt tokens of a drawn request (default 16,256; throughput: every prompt MIN)", &prompt_lengths);
+  parser.add_string("--output-lengths", "MIN,MAX", "new tokens of a drawn request (default 16,128; throughput: every request MAX)", &output_lengths);
   parser.add_float("--mean-gap", "mean steps between two drawn requests' arrivals (default 0: all at once)", &mean_gap, 0, 1e6f);
   parser.add_u64("--seed", "seed of the drawn requests (default 1)", &seed);
   parser.add_int("--block-size", "positions per block of the cache (default 16)", &block_size, 1, 1 << 16);
@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
   parser.add_int("--group", "int4: channels per scale and minimum (default 32), as chapter 10's --group", &int4_group, 2, 1 << 16);
   parser.add_string("--batching", "KIND", "continuous (default) or static", &batching);
   parser.add_int("--max-batch", "sequences in one step (default 64)", &max_batch, 1, 4096);
-  parser.add_int("--token-budget", "tokens in one step, decode tokens and prompt chunks (default 256)", &token_budget, 1, 1 << 16);
+  parser.add_int("--token-budget", "tokens in one step, decode tokens and prompt chunks (default 256, or the model's context if shorter)", &token_budget, 1, 1 << 16);
   parser.add_int("--watermark", "blocks an admission leaves free while sequences run (default 0)", &watermark, 0, 1 << 30);
   parser.add_string("--batch-sizes", "LIST", "throughput: batch sizes (default 1,2,4,8,16,32,64)", &batch_sizes);
   parser.add_int("--rounds", "throughput: measurements of every batch size, the sizes in turn; batching: runs of each\n"
@@ -168,6 +168,10 @@ int main(int argc, char** argv) {
     const bool synthetic = !options.synthetic.empty();
     kvs::Runtime rt(options, "x", kvs::PromptFit::kCutByCaller, token_budget, synthetic ? prompts[0] + outputs[1] : -1);
     const kvs::ModelConfig& c = rt.model.config();
+    if (!parser.given("--token-budget")) token_budget = std::min(token_budget, c.seq_len);  // a small model's context
+    if (experiment != "products" && token_budget > c.seq_len)  // a step's tokens go through the model in one call
+      throw kvs::UsageError("--token-budget " + std::to_string(token_budget) + " exceeds the model's context of " +
+                            std::to_string(c.seq_len) + " positions; give at most " + std::to_string(c.seq_len));
     if (const std::string why = kvs::kv_format_shape_error(pool_format.format, c.head_dim(), int4_group); !why.empty())
       throw kvs::UsageError("--group " + std::to_string(int4_group) + ": " + why);
     pool_format.int4_group = int4_group;  // before the plan below sizes blocks of this format
@@ -182,7 +186,7 @@ int main(int argc, char** argv) {
     if (experiment != "products" && !trace_file.empty()) {
       requests = kvs::ch08::parse_trace(kvs::read_input_file("--trace", trace_file, std::size_t{64} << 20), trace_file);
     } else if (experiment != "products") {
-      const std::string text = kvs::read_input_file("held-out text", kvs::find_data_file("kjv/valid.txt"), std::size_t{64} << 20);
+      const std::string text = kvs::read_input_file("the held-out text", kvs::find_data_file("kjv/valid.txt"), std::size_t{64} << 20);
       requests = kvs::ch08::generate_trace(text, shape);
     }
     kvs::ch08::Setup setup{.rt = rt, .requests = requests, .shape = shape, .block_size = block_size, .kv_memory = kv_memory,

@@ -12,7 +12,7 @@
 //
 // Layout: [layer][K or V][physical row][kv_dim], rows = blocks · block_size: a block's rows are consecutive,
 // so attention reads a block as it reads chapter 03's buffer; the blocks of one sequence are anywhere.
-// Block tables live in backend memory too, one row of max_blocks_per_sequence entries per sequence slot.
+// Block tables live in backend memory too, one row of table_width() entries per sequence slot.
 // A pool may store its rows coded (chapter 10's formats, common/kv_format.h): a side is then its rows' codes,
 // then their scales (CodedRows), each indexed by the same physical row - so a block table finds a coded row
 // exactly as it finds a float one, and the same budget holds more blocks.
@@ -70,7 +70,7 @@ class BlockPool final : public BlockSource {
         layout_(checked_layout(config, format, check_positive("block size", block_size))),
         kv_dim_(config.kv_dim()),
         n_layers_(config.n_layers),
-        blocks_(check_positive("blocks", blocks)),
+        blocks_(check_blocks(blocks, block_size)),
         block_size_(block_size),
         table_width_(blocks_needed(check_positive("positions per sequence", max_positions), block_size)),
         side_floats_(std::size_t(blocks) * block_size * (layout_.code_bytes() + sizeof(float) * layout_.scales_per_row()) / sizeof(float)),
@@ -124,6 +124,7 @@ class BlockPool final : public BlockSource {
   void give_back_table(int table) { free_tables_.push_back(table); }
 
   int blocks() const { return blocks_; }
+  static int max_blocks(int block_size) { return 2147483647 / block_size; }  // the most blocks a pool may have
   int free_blocks() const { return static_cast<int>(free_blocks_.size()); }
   const std::vector<int>& free_list() const { return free_blocks_; }
   int used_blocks() const { return blocks_ - free_blocks(); }
@@ -160,6 +161,13 @@ class BlockPool final : public BlockSource {
   }
 
  private:
+  // Rows are ints (BlockTable::physical_row: block · block_size + offset), so a pool holds at most 2^31 - 1 of them.
+  static int check_blocks(int blocks, int block_size) {
+    if (std::int64_t(check_positive("blocks", blocks)) > max_blocks(block_size))
+      throw std::invalid_argument("BlockPool: " + std::to_string(blocks) + " blocks of " + std::to_string(block_size) +
+                                  " rows are more rows than an int numbers");
+    return blocks;
+  }
   static int check_positive(const char* what, int value) {
     if (value < 1) throw std::invalid_argument(std::string("BlockPool: ") + what + " must be at least 1, not " + std::to_string(value));
     return value;

@@ -6,6 +6,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "03_preallocated_cache/preallocated_kv_cache.h"
 #include "generate.h"
@@ -126,6 +127,12 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
   std::vector<SequenceStep> batch;      // this step's forward pass
   batch.reserve(options.batch_limit());
   std::vector<const PagedSequence*> audited;
+  audited.reserve(options.batch_limit());
+  // A step feeds at least one token: without preemptions, at most every request's prompt and outputs in steps. (So
+  // the per-step records grow without allocating inside a timed step, but after a preemption's recomputing.)
+  std::size_t most_steps = 0;
+  for (const Request& r : requests) most_steps += r.prompt.size() + std::size_t(r.max_new_tokens);
+  stats.step_ms.reserve(most_steps), stats.step_sequences.reserve(most_steps), stats.step_tokens.reserve(most_steps);
   int next_arrival = 0, finished = 0;
   const Stopwatch clock;
 
@@ -175,7 +182,11 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
     while (may_admit && !waiting.empty() && static_cast<int>(running.size()) < options.batch_limit() &&
            (budget > 0 || static_batch)) {
       const int r = waiting.front();
-      std::vector<int> tokens = resume[r].empty() ? requests[r].prompt : std::move(resume[r]);
+      std::vector<int> tokens = std::exchange(resume[r], {});  // a preempted request's, with its room to grow
+      if (tokens.empty()) {
+        tokens.reserve(requests[r].prompt.size() + requests[r].max_new_tokens);  // the outputs it will append
+        tokens.assign(requests[r].prompt.begin(), requests[r].prompt.end());
+      }
       const int before = caches.available_blocks();
       std::unique_ptr<PagedSequence> cache = caches.start(tokens);  // may hold cached blocks already (chapter 09)
       const int held = before - caches.available_blocks();  // cached blocks no one held before it took them
@@ -195,7 +206,6 @@ RunStats serve(Model& model, SequenceCaches& caches, const std::vector<Request>&
       const int prefill_end = results[r].output.empty() ? static_cast<int>(requests[r].prompt.size())
                                                         : static_cast<int>(tokens.size()) - 1;
       Running s{r, std::move(cache), std::move(tokens), cached, 0, prefill_end};
-      s.tokens.reserve(requests[r].prompt.size() + requests[r].max_new_tokens);
       s.take = std::min(s.pending(), budget);
       free_blocks -= s.cache->blocks_to_grow(static_batch ? s.pending() : s.take), budget -= s.take;
       running.push_back(std::move(s));

@@ -215,7 +215,8 @@ std::int64_t largest_pool_bytes(const Setup& s, const std::string& experiment) {
   for (int n : s.counts) largest = std::max(largest, n);
   if (experiment == "mixed") return s.kv_memory;
   if (experiment == "prefix")  // every request, unshared
-    return largest * blocks_needed(s.prefix_length + s.question_length + s.new_tokens, s.block_size) * block_bytes(s);
+    return std::int64_t(largest) * blocks_needed(s.prefix_length + s.question_length + s.new_tokens, s.block_size) *
+           block_bytes(s);
   const int per_sample = blocks_needed(static_cast<int>(s.rt.prompt.size()) + s.new_tokens, s.block_size);
   return std::int64_t(experiment == "sampling" ? largest : s.samples) * per_sample * block_bytes(s);
 }
@@ -239,6 +240,10 @@ void check_mixed(const Setup& s) {
     throw UsageError("--kv-memory " + format_bytes(double(s.kv_memory)) + " is too small for the mixed trace's longest "
                      "request (" + std::to_string(longest) + " positions): give it at least " +
                      format_bytes(double(blocks_needed(longest, s.block_size) * block_bytes(s))));
+  if (s.kv_memory / block_bytes(s) > ch08::BlockPool::max_blocks(s.block_size))
+    throw UsageError("--kv-memory " + format_bytes(double(s.kv_memory)) + " makes more blocks of " +
+                     std::to_string(s.block_size) + " positions than a pool's " +
+                     std::to_string(ch08::BlockPool::max_blocks(s.block_size)) + " (rows are ints); give less memory");
 }
 
 int mixed_trace(Setup& s) {
@@ -269,7 +274,7 @@ int mixed_trace(Setup& s) {
     arrival += random.exponential(1.0);
   }
   check_mixed(s);
-  const int blocks = static_cast<int>(std::min<std::int64_t>(s.kv_memory / block_bytes(s), 1 << 24));
+  const int blocks = static_cast<int>(s.kv_memory / block_bytes(s));
   std::fprintf(stderr, "%d requests arriving about one a step (seed %llu): %d ask about one of 4 documents of 512 bytes (+ a "
                        "16-64-byte question), the others bring 64-576 bytes of their own; 16-64 new tokens; a pool of %d "
                        "blocks of %d (%s)\n", s.requests, static_cast<unsigned long long>(s.trace_seed), shared_requests,

@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
   parser.add_string("--counts", "LIST", "prefix, sampling: values of N (default 1,2,4,8,16,32,64)", &counts);
   parser.add_int("--prefix-length", "prefix: bytes of the shared document (default 1024)", &prefix_length, 1, 1 << 20);
   parser.add_int("--question-length", "prefix: bytes of each request's own question (default 32)", &question_length, 1, 1 << 20);
-  parser.add_int("--token-budget", "tokens in one scheduler step (default 256)", &token_budget, 1, 1 << 16);
+  parser.add_int("--token-budget", "prefix, mixed: tokens in one scheduler step (default 256, or the model's context if shorter)", &token_budget, 1, 1 << 16);
   parser.add_int("--requests", "mixed: requests in the trace (default 64)", &requests, 1, 100000);
   parser.add_u64("--trace-seed", "mixed: seed of the trace (default 1)", &trace_seed);
   parser.add_bytes("--kv-memory", "mixed: memory of the block pool (default 4MiB)", &kv_memory);
@@ -76,7 +76,8 @@ int main(int argc, char** argv) {
                            {"--question-length", {"prefix"}},
                            {"--requests", {"mixed"}},
                            {"--trace-seed", {"mixed"}},
-                           {"--kv-memory", {"mixed"}}});
+                           {"--kv-memory", {"mixed"}},
+                           {"--token-budget", {"prefix", "mixed"}}});
   parser.parse(argc, argv);
 
   return kvs::run_main(parser, [&] {
@@ -93,11 +94,16 @@ int main(int argc, char** argv) {
     // to the whole context. The prompt must fit with the new tokens only where it is used.
     kvs::Runtime rt(options, kDefaultPrompt, sampling ? kvs::PromptFit::kMustFit : kvs::PromptFit::kCutByCaller,
                     std::max({token_budget, largest}), -1);
+    if (!parser.given("--token-budget")) token_budget = std::min(token_budget, rt.model.config().seq_len);  // a small model's
     kvs::ch09::Setup setup{.rt = rt, .text = {}, .samples = samples, .new_tokens = options.max_new_tokens, .block_size = block_size,
                            .prefix_length = prefix_length, .question_length = question_length, .token_budget = token_budget,
                            .counts = count_list, .requests = requests, .kv_memory = kv_memory, .trace_seed = trace_seed,
                            .csv = options.csv};
-    if (!sampling) setup.text = kvs::read_input_file("held-out text", kvs::find_data_file("kjv/valid.txt"), std::size_t{64} << 20);
+    if (!sampling && token_budget > rt.model.config().seq_len)  // a step's tokens go through the model in one call
+      throw kvs::UsageError("--token-budget " + std::to_string(token_budget) + " exceeds the model's context of " +
+                            std::to_string(rt.model.config().seq_len) + " positions; give at most " +
+                            std::to_string(rt.model.config().seq_len));
+    if (!sampling) setup.text = kvs::read_input_file("the held-out text", kvs::find_data_file("kjv/valid.txt"), std::size_t{64} << 20);
     if (experiment == "prefix" && prefix_length + question_length + options.max_new_tokens > rt.model.config().seq_len)
       throw kvs::UsageError("--prefix-length " + std::to_string(prefix_length) + " + --question-length " +
                             std::to_string(question_length) + " + --max-new-tokens " + std::to_string(options.max_new_tokens) +

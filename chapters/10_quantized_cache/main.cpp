@@ -51,7 +51,7 @@ int channels(const kvs::CommonOptions& options, int text_bytes, int offset, int 
                           std::to_string(c.seq_len) + " positions");
   if (const std::string why = kvs::kv_format_shape_error(kvs::KvFormat::kInt4, head_dim, group); !why.empty())
     throw kvs::UsageError("--group " + std::to_string(group) + ": " + why);
-  const std::string text = kvs::read_input_file("held-out text", kvs::find_data_file("kjv/valid.txt"), std::size_t{64} << 20);
+  const std::string text = kvs::read_input_file("the held-out text", kvs::find_data_file("kjv/valid.txt"), std::size_t{64} << 20);
   if (std::size_t(offset) + text_bytes > text.size())
     throw kvs::UsageError("--offset " + std::to_string(offset) + " + --text-bytes " + std::to_string(text_bytes) +
                           " pass the end of the held-out text (" + std::to_string(text.size()) + " bytes)");
@@ -197,9 +197,10 @@ int main(int argc, char** argv) {
       if (const std::string why = kvs::channel_group_error(group); f.keys != kvs::ch10::Keys::kPerToken && !why.empty())
         throw kvs::UsageError("--group " + std::to_string(group) + ": " + why);
     }
-    if (longest > c.seq_len || (is_speed && longest_context + 1 > c.seq_len))
-      throw kvs::UsageError("--contexts or --distances ask for " + std::to_string(std::max(longest, longest_context + 1)) +
-                            " positions; the model's context is " + std::to_string(c.seq_len));
+    // speed: a context of cached positions and the one its timed step adds
+    if (const int asked = is_speed ? longest_context + 1 : longest; asked > c.seq_len)
+      throw kvs::UsageError(std::string(experiment == "recall" ? "--distances" : "--contexts") + " ask for " +
+                            std::to_string(asked) + " positions; the model's context is " + std::to_string(c.seq_len));
     // The largest cache a run holds at once: fp32's (compare holds fp32's and one other format's).
     const int cached = experiment == "compare" ? static_cast<int>(rt.prompt.size()) + options.max_new_tokens
                        : experiment == "memory" ? c.seq_len
@@ -210,7 +211,7 @@ int main(int argc, char** argv) {
     const std::string held_out =
         experiment == "compare" || experiment == "memory"
             ? std::string()
-            : kvs::read_input_file("held-out text", kvs::find_data_file("kjv/valid.txt"), std::size_t{64} << 20);
+            : kvs::read_input_file("the held-out text", kvs::find_data_file("kjv/valid.txt"), std::size_t{64} << 20);
     if (experiment == "quality" && std::size_t(text_bytes) > held_out.size())
       throw kvs::UsageError("--text-bytes " + std::to_string(text_bytes) + " exceeds the held-out text's " +
                             std::to_string(held_out.size()) + " bytes");
