@@ -311,6 +311,53 @@ TEST_CASE("batched attention: each sequence gets the bits of its attention alone
   }
 }
 
+// The CUDA decoding kernel reads a launch's rows on one of two paths: 16 bytes at a time where every head starts on
+// 16 bytes, else a number at a time in another lane layout, whose sums run in another order where a lane holds
+// several numbers of a row (head_dim > 32). Views of both kinds in one batch (rows kv_dim and kv_dim + 3 floats
+// apart): each sequence still gets the bits of its attention alone (when one launch took both kinds, the aligned
+// views took the other path, and other bits, than alone). The CPU backends repeat the first test's promise.
+TEST_CASE("batched attention: views of the decoding kernel's two paths in one batch each get their bits alone") {
+  const AttentionShape shape{4, 2, 64};
+  const int kv_dim = shape.n_kv_heads * shape.head_dim, dim = shape.n_heads * shape.head_dim, rows = 40;
+  test::for_each_backend(test::test_backend_names(), [&](Backend& backend) {
+    std::mt19937 gen(11);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const int sequences = 5;
+    std::vector<Buffer> keys, values;
+    keys.reserve(sequences), values.reserve(sequences);
+    std::vector<Backend::AttentionPart> parts;
+    std::vector<int> positions;
+    for (int i = 0; i < sequences; ++i) {
+      const int stride = i % 2 ? kv_dim + 3 : kv_dim;  // (rows, stride): the odd ones off 16 bytes, the other path
+      std::vector<float> k(std::size_t(rows) * stride), v(k.size());
+      for (float& x : k) x = normal(gen);
+      for (float& x : v) x = normal(gen);
+      keys.push_back(test::to_backend(backend, k)), values.push_back(test::to_backend(backend, v));
+      parts.push_back({i, 1, KvView{.keys = keys.back().data(), .values = values.back().data(), .rows = rows,
+                                    .row_stride = stride}});
+      positions.push_back(rows - 1);
+    }
+    std::vector<float> q(std::size_t(sequences) * dim);  // (sequences, dim)
+    for (float& x : q) x = normal(gen);
+    const Buffer d_q = test::to_backend(backend, q);
+    IntBuffer d_positions(backend, positions.size());
+    backend.from_host(d_positions.data(), positions.data(), positions.size());
+    Buffer d_out(backend, q.size());  // (sequences, dim)
+    Buffer scratch = test::nan_buffer(backend, backend.attention_scratch_floats(shape, rows, sequences));
+    backend.attention_batch(d_out.data(), d_q.data(), d_positions.data(), parts, shape, {scratch.data(), scratch.size()});
+    const std::vector<float> batched = test::from_backend(backend, d_out);
+    for (int i = 0; i < sequences; ++i) {
+      CAPTURE(i);
+      Buffer alone(backend, dim);
+      Buffer alone_scratch = test::nan_buffer(backend, backend.attention_scratch_floats(shape, rows, 1));
+      backend.attention(alone.data(), d_q.data() + std::size_t(i) * dim, d_positions.data() + i, 1, parts[i].kv, shape,
+                        {alone_scratch.data(), alone_scratch.size()}, nullptr);
+      const std::vector<float> got = test::from_backend(backend, alone);
+      CHECK(std::memcmp(got.data(), batched.data() + std::size_t(i) * dim, dim * sizeof(float)) == 0);
+    }
+  });
+}
+
 // Backend::write_paged_batch against its definition (write_paged_rows / write_paged_coded_rows part by part, as
 // Backend's default runs them) and, for float rows, against the rows expected: 70 sequences of one pool (two CUDA
 // launches of up to 64 parts), blocks of 3 rows shuffled, one sequence writing a prefill chunk of 5 positions across

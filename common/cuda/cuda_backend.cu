@@ -1371,9 +1371,13 @@ class CudaBackend final : public Backend {
         continue;
       }
       const int first_row = parts[i].offset;  // the run: parts i, i + 1, ... at rows first_row, first_row + 1, ...
+      // A launch's views all take the kernel's 16-byte path or all its other one (plain_view), which sums in
+      // another order: a view of the other kind ends the run, so each sequence gets the bits it gets alone.
+      const bool plain = plain_view(parts[i].kv, shape.head_dim);
       DecodeViews<kMaxBatchSequences> views;
       int count = 0, splits = 1;  // the grid's: the most any view of the launch has
-      for (; i < parts.size() && count < kMaxBatchSequences && decoding(parts[i]) && parts[i].offset == first_row + count;
+      for (; i < parts.size() && count < kMaxBatchSequences && decoding(parts[i]) && parts[i].offset == first_row + count &&
+             plain_view(parts[i].kv, shape.head_dim) == plain;
            ++i, ++count) {
         views.view[count] = parts[i].kv;
         splits = std::max(splits, chunks_.grid_splits(views.view[count].rows));
@@ -1396,11 +1400,8 @@ class CudaBackend final : public Backend {
                                   "merges split chunks for at most " + std::to_string(kArrivalCounters) +
                                   " (query heads / " + std::to_string(tile) + " x sequences): decode fewer sequences at once");
     const int per_lane = shape.head_dim <= kWarp ? 1 : shape.head_dim <= 2 * kWarp ? 2 : shape.head_dim <= 4 * kWarp ? 4 : 8;
-    bool plain_rows = true;  // every view's rows are floats as the model stored them, loaded 16 bytes at a time (kPlainRows)
-    for (int z = 0; z < sequences; ++z) {
-      const KvView& v = views.view[z];
-      plain_rows = plain_rows && !v.coded() && !v.read_rope && (per_lane == 1 || aligned_heads(v, shape.head_dim));
-    }
+    bool plain_rows = true;  // every view's rows loaded 16 bytes at a time (kPlainRows; attention_batch's runs agree)
+    for (int z = 0; z < sequences; ++z) plain_rows = plain_rows && plain_view(views.view[z], shape.head_dim);
 #define KVS_DECODE(elements, plain)                                                                              \
   KVS_LAUNCH((attention_decode_kernel<elements, kViews, plain>), grid, block, 0, queue_, out, partials, arrivals_, \
              q, positions, views, chunks_, shape.n_heads, group, tile, shape.head_dim)
@@ -1542,6 +1543,11 @@ class CudaBackend final : public Backend {
   // coded view's: correct, slower (book 07), and only the tests' views so far.
   static bool aligned_heads(const KvView& v, int head_dim) {
     return head_dim % 4 == 0 && v.row_stride % 4 == 0 && aligned16(v.keys) && aligned16(v.values);
+  }
+  // Whether the decoding kernel reads the view's rows on its 16-byte path (kPlainRows): floats as the model stored
+  // them, each head on 16 bytes where a lane holds more than one number of a row (head_dim > 32).
+  static bool plain_view(const KvView& v, int head_dim) {
+    return !v.coded() && !v.read_rope && (head_dim <= kWarp || aligned_heads(v, head_dim));
   }
 
   void* allocate_bytes(std::size_t bytes) {
