@@ -2,7 +2,8 @@
 # The GPU session's tools, checked where there is no GPU (a lent GPU's minutes are too few to find a typo in them):
 # tests/gpu_session.sh parses, refuses an unknown step, exits 1 when its runs fail and archives after every run; tests/gpu_ab_table.py makes the A/B table, the chunks
 # step's rows (decoding's chunks, the products' warps) included, from breakdown CSVs named as gpu_session.sh names them (a stored GPU run's CSV stands in);
-# tests/gpu_stall_table.py makes the stall table, tests/gpu_kernel_profile.py the kernel profile's.
+# tests/gpu_stall_table.py makes the stall table, tests/gpu_kernel_profile.py the kernel profile's; the patch back to
+# version 8's decoding kernel applies.
 # Usage: bash tests/gpu_tools_check.sh PYTHON3 (from anywhere).
 set -euo pipefail
 python=${1:?usage: gpu_tools_check.sh PYTHON3}
@@ -85,4 +86,8 @@ cat "$work/profile.md"
 grep -qF '| `gemv_kernel<1, 4, (GemvStore)0>` | (768, 1, 1) | 2 | 10.0 | 16.80 | 1680 | 95.2% | 40 | 55% |' "$work/profile.md" &&
   grep -qF '| `embed_kernel` | (1, 1, 1) | 1 | 1.0 | 0.00 | 1 | 4.8% | 16 | 3% |' "$work/profile.md" &&
   grep -qF 'Per decode step (1 profiled, 3.0 launches each): kernels 0.021 ms summed, 33.6 MB read from DRAM, 1600 GB/s'     "$work/profile.md" || { echo "the kernel profile's table lost the CSV's numbers"; exit 1; }
+# The way back to version 8's decoding kernel, should version 9's measure slower (book 07): the patch still applies
+# to this tree (an edit near the kernel's lines once made the recorded `git diff | git apply -R` fail).
+(cd "$root" && git apply --check tests/gpu_version8_kernel.patch) ||
+  { echo "tests/gpu_version8_kernel.patch no longer applies to common/cuda/cuda_backend.cu: remake it (book 07)"; exit 1; }
 echo "gpu session tools: ok"
