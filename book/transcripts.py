@@ -158,27 +158,30 @@ def run(command, cwd):
     return result.returncode, "\n".join(lines)
 
 
-def blocks(text):
+def blocks(text, path):
     """(start, end, needs_gpu) for each transcript block: the line indices of its body, between its fences."""
     lines = text.split("\n")
     for i, line in enumerate(lines):
         if line.strip() in (MARK, GPU_MARK):
             if i + 1 >= len(lines) or not lines[i + 1].startswith("```"):
-                raise SystemExit(f"a {line.strip()} line must be followed by a ``` block")
+                raise SystemExit(f"{path}:{i + 1}: a {line.strip()} line must be followed by a ``` block")
             end = next((j for j in range(i + 2, len(lines)) if lines[j].startswith("```")), None)
             if end is None:
-                raise SystemExit(f"a {line.strip()} block is never closed with ```")
+                raise SystemExit(f"{path}:{i + 1}: a {line.strip()} block is never closed with ```")
             yield i + 2, end, line.strip() == GPU_MARK
 
 
 def process(path, cwd, check, gpu, gpu_only, only=None):
     """Runs the blocks of one chapter; returns (commands failed, commands run)."""
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); give a book chapter")
     lines = text.split("\n")
     failures = ran = 0
     out = []
     cursor = 0
-    for start, end, needs_gpu in list(blocks(text)):
+    for start, end, needs_gpu in list(blocks(text, path)):
         commands = [line[2:] for line in lines[start:end] if line.startswith("$ ")]
         if only and not any(re.search(only, command) for command in commands):
             continue  # --only: a block none of whose commands match stays as captured
@@ -232,6 +235,16 @@ def main():
                              "moved), leaving the timed ones as captured")
     parser.add_argument("chapters", nargs="*", help="book files to process (default: every chapter, in order)")
     args = parser.parse_args()
+    if args.only is not None:
+        try:
+            re.compile(args.only)
+        except re.error as e:
+            parser.error(f"--only {args.only!r} is not a regular expression: {e}")
+    if not (BUILD / "bin").is_dir():  # else every command fails alike, each naming build/release
+        where = f"KVS_BUILD_DIR={os.environ['KVS_BUILD_DIR']}" if os.environ.get("KVS_BUILD_DIR") else str(BUILD)
+        print(f"transcripts.py: {where} has no bin/ folder of built binaries; build first (cmake --workflow --preset "
+              "release) or point KVS_BUILD_DIR at a build", file=sys.stderr)
+        return 2
     paths = [Path(p).resolve() for p in args.chapters] or sorted(BOOK.glob("[0-9][0-9]_*.md"))
     for path in paths:
         if not path.is_file():

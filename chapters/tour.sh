@@ -5,6 +5,13 @@
 # --skip-build: run the chapters on the binaries already in build/release, or in KVS_BIN_DIR where set (a test runs
 # the tour this way, on its own build's binaries, so that the README's first command keeps working).
 set -euo pipefail
+if [[ $# -eq 1 && ( $1 == --help || $1 == -h ) ]]; then
+  sed -n '2,/^set -euo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'
+  echo "Usage: bash chapters/tour.sh [--skip-build]   (without it: sudo apt-get for what is missing, then a build)"
+  exit 0
+fi
+# KVS_BIN_DIR as given, from where the tour was started (the tour then runs from the repository root).
+[[ -z ${KVS_BIN_DIR:-} || $KVS_BIN_DIR == /* ]] || KVS_BIN_DIR=$PWD/$KVS_BIN_DIR
 cd "$(dirname "$0")/.."
 
 case "$#:${1:-}" in
@@ -12,12 +19,15 @@ case "$#:${1:-}" in
       cmake --preset release >/dev/null
       cmake --build --preset release ;;
   1:--skip-build) ;;
-  *) echo "usage: bash chapters/tour.sh [--skip-build]" >&2; exit 2 ;;
+  *) echo "usage: bash chapters/tour.sh [--skip-build] (--help says more)" >&2; exit 2 ;;
 esac
 bin=build/release/bin
 [[ $# -eq 1 && -n ${KVS_BIN_DIR:-} ]] && bin=$KVS_BIN_DIR  # CTest's entry: its build's binaries
+[[ -x $bin/00_perplexity ]] || { echo "tour.sh: no chapter binaries in $bin; build them (bash chapters/tour.sh) or set KVS_BIN_DIR" >&2; exit 2; }
 
-banner() { printf '\n\033[1m=== %s ===\033[0m\n' "$*" >&2; }
+# Bold on a terminal that takes it, plain in a file or a pipe (and where NO_COLOR is set, no-color.org).
+if [[ -t 2 && -z ${NO_COLOR:-} && ${TERM:-dumb} != dumb ]]; then bold=$'\033[1m' plain=$'\033[0m'; else bold="" plain=""; fi
+banner() { printf '\n%s=== %s ===%s\n' "$bold" "$*" "$plain" >&2; }
 
 banner "Chapter 00: the model we use (bits per byte on held-out text)"
 "$bin/00_perplexity" --max-bytes 32768

@@ -7,6 +7,7 @@
 #                                   #                                            (data/: train, golden files)
 # Several groups may be given. On a system without apt-get it lists what to install by hand and fails.
 set -euo pipefail
+if [ "${1:-}" = --help ] || [ "${1:-}" = -h ]; then sed -n '2,/^set -euo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
 
 [ $# -gt 0 ] || { echo "install-deps: name a group: build, plots, corpus or train (several may be given)" >&2; exit 2; }
 packages=()

@@ -27,6 +27,7 @@ Chapter 04 on the copying model (data/kjv-gpt-copy.bin; drawn when its CSVs exis
 (recall, topic and local fluency against window) and copy_induction_heads.png (per layer and head, the
 attention a repeated byte puts on the byte to copy).
 """
+import argparse
 import csv
 import sys
 from collections import defaultdict
@@ -43,6 +44,21 @@ HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"
 STYLE = {"naive": ("tab:red", "o"), "concatenate": ("tab:orange", "s"), "chunked": ("tab:green", "^"),
          "preallocated": ("tab:blue", "D")}
+
+
+# The CSVs every run needs, checked before any figure is drawn: a missing one used to stop the script after it had
+# redrawn the figures before it (the copying model's and the GPU's are drawn only where they exist).
+REQUIRED = ["speedup.csv", "cache_memory.csv", "window_perplexity.csv", "window_memory.csv", "break_sweep.csv",
+            "break_kl.csv", "break_contamination.csv", "decode_breakdown.csv", "off_by_one_probes.csv",
+            "batch_throughput_1t.csv", "batch_throughput_2t.csv", "batch_throughput_synthetic_2t.csv",
+            "paged_memory.csv", "prefix_sharing.csv", "sampling_memory.csv", "kv_channels.csv", "quantized_quality.csv"]
+
+
+def check_data():
+    missing = [name for name in REQUIRED if not (DATA / name).exists()]
+    if missing:
+        sys.exit(f"error: {DATA} lacks {', '.join(missing)}; run plots/regenerate.sh to measure "
+                 f"{'it' if len(missing) == 1 else 'them'} (no figure was redrawn)")
 
 
 def read(name):
@@ -485,6 +501,10 @@ def quantized_figures():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description="Redraws every figure of the book (plots/*.png, beside this script) from "
+                            "the CSVs in plots/data/; plots/regenerate.sh measures them first. Takes no arguments.",
+                            epilog="Run: /usr/bin/python3 plots/plot.py (Debian's python3-matplotlib)").parse_args()
+    check_data()
     main()
     batching_figures()
     sharing_figures()

@@ -5,6 +5,7 @@
 # .ab/base (a git archive of BASE_COMMIT). Both folders are ignored through .git/info/exclude, never committed.
 # Usage, from the repository root: bash tests/gpu_prepare.sh BASE_COMMIT
 set -euo pipefail
+if [[ ${1:-} == --help || ${1:-} == -h ]]; then sed -n '2,/^set -euo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
 cd "$(dirname "$0")/.."  # .deps and .ab belong at the repository root, where the device call runs
 base=${1:?usage: gpu_prepare.sh BASE_COMMIT (the commit to compare with, e.g. the last one measured on a GPU)}
 git rev-parse --verify --quiet "$base^{commit}" >/dev/null || { echo "gpu_prepare.sh: no commit $base" >&2; exit 2; }

@@ -23,15 +23,21 @@
 # still-warm machine where time is left (the build step then rebuilds nothing). Exit status 1 where a build, a test, a
 # tool or a run failed (each one listed at the end), 0 where every command exited 0.
 set -uo pipefail
-out=${1:?usage: gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS]}
+usage="usage: bash tests/gpu_session.sh OUT_DIR [BASE_SOURCE_DIR] [STEPS] (on the GPU machine; the header of this file says more)"
+if [[ ${1:-} == --help || ${1:-} == -h ]]; then
+  sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'
+  exit 0
+fi
+[[ $# -ge 1 && $# -le 3 && -n $1 && $1 != -* ]] || { echo "$usage" >&2; exit 2; }
+out=$1
 base=${2:-}
 steps=${3:-build,ab,test,chunks,sanitize,profile,chapters}
-mkdir -p "$out"
 known=",build,ab,chunks,test,sanitize,profile,chapters,transcripts,"
 IFS=, read -ra step_list <<<"$steps"
 for step in "${step_list[@]}"; do
   [[ $known == *",$step,"* ]] || { echo "gpu_session.sh: no step '$step' (steps: ${known:1:-1})" >&2; exit 2; }
 done
+mkdir -p "$out"  # only once the arguments are known good
 # The archive, rewritten after every run (check, below) and every step, so that a call stopped at its time limit
 # still returns everything done before, the runs of a step it stopped in included (a device call returns at most 8
 # files; the archive is one). Written aside, then renamed: a call stopped during tar keeps the last whole archive.

@@ -15,6 +15,11 @@ if bash "$root/tests/gpu_session.sh" "$work/session" "" build,nonsense >"$work/r
   echo "gpu_session.sh ran an unknown step"; exit 1
 fi
 grep -q "no step 'nonsense'" "$work/refused.log" || { echo "gpu_session.sh refused an unknown step without naming it"; exit 1; }
+[[ ! -e $work/session ]] || { echo "gpu_session.sh made OUT_DIR before refusing its steps"; exit 1; }
+# --help prints the header and runs nothing (it once took --help as OUT_DIR and started the build).
+(cd "$work" && bash "$root/tests/gpu_session.sh" --help) >"$work/help.log" 2>&1 || { echo "gpu_session.sh --help failed"; exit 1; }
+grep -q "^STEPS: a comma-separated list" "$work/help.log" || { echo "gpu_session.sh --help lacks the steps"; exit 1; }
+[[ ! -e $work/--help ]] || { echo "gpu_session.sh --help made a folder"; exit 1; }
 # A step whose runs fail (here: no binaries in an empty folder, so every one exits 127) makes the session exit 1 and
 # list them; it once exited 0 after failed tests, with the archive's tar the last status.
 if (cd "$work" && mkdir empty && cd empty && env -u GPU_SESSION_ARCHIVE bash "$root/tests/gpu_session.sh" "$work/failing" "" chapters) >"$work/failing.log" 2>&1; then

@@ -480,6 +480,18 @@ TEST_CASE("inputs: --backend cuda-harness runs a chapter through the CUDA kernel
     CHECK(refused.exit_code == 2);
     CHECK(refused.err.find("times its steps, and --backend cuda-harness runs the CUDA kernels on the CPU") != std::string::npos);
   }
+  // The harness's order, refused in one line when the backend is made (it aborted at the first cudaFree, blaming a
+  // kernel), a seed too: strtoul took "random:5x" as 5 and "random:abc" as 0.
+  for (const std::string order : {"abc", "random:5x", "random:", "random:-1", "Sequential"}) {
+    CAPTURE(order);
+    const auto bad = run_command("KVS_CUDA_HARNESS_ORDER='" + order + "' " + binary("01_naive_generation") +
+                                 " --model " + golden_path("mha.bin") + " --max-new-tokens 2 --backend cuda-harness");
+    CHECK(bad.exit_code == 1);
+    CHECK(bad.err == "01_naive_generation: error: KVS_CUDA_HARNESS_ORDER='" + order +
+                         "': use sequential, reverse or random:SEED (SEED a whole number below 2^64)\n");
+  }
+  CHECK(run_command("KVS_CUDA_HARNESS_ORDER=random:7 " + binary("01_naive_generation") + " --model " +
+                    golden_path("mha.bin") + " --max-new-tokens 2 --backend cuda-harness").exit_code == 0);
 #else
   CHECK(harness.exit_code == 2);
   CHECK(harness.err.find("this build has no CUDA harness") != std::string::npos);

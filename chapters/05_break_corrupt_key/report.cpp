@@ -29,7 +29,8 @@ int first_mismatch(const std::vector<StepDivergence>& steps) {
 
 bool colour_output() {
   const char* term = std::getenv("TERM");
-  return isatty(STDOUT_FILENO) && std::getenv("NO_COLOR") == nullptr && term && std::string(term) != "dumb";
+  const char* no_color = std::getenv("NO_COLOR");  // no-color.org: set and not empty
+  return isatty(STDOUT_FILENO) && !(no_color && *no_color) && term && std::string(term) != "dumb";
 }
 
 namespace {

@@ -20,7 +20,7 @@ std::vector<StepDivergence> step_divergence(const RecordedRun& clean, const Reco
 // The first step whose generated token differs, -1 if none.
 int first_mismatch(const std::vector<StepDivergence>& steps);
 
-// Whether to colour the output: stdout is a terminal that takes colour (and NO_COLOR is not set).
+// Whether to colour the output: stdout is a terminal that takes colour (and NO_COLOR is not set to a non-empty value).
 bool colour_output();
 
 // The generated parts of two runs in two columns of `width` characters (newlines shown as '|', other

@@ -7,12 +7,14 @@
 // its launch geometry. Kernels that reduce across a warp need whole warps: their block sizes are multiples
 // of 32.
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -622,15 +624,22 @@ struct DecodeChunks {
 // shorter). Why a variable: how many blocks keep an H100's memory busy, against what the merge of more chunks
 // costs, is a GPU's measurement (DecodeChunks above says what was measured), and tests/gpu_session.sh makes it with
 // one build (its chunks step).
+// Whether `text` is a whole number from low to high in digits alone (strtol also took " 4", "+4" and "4 ").
+bool whole_number(std::string_view text, long low, long high, long& number) {
+  const char* end = text.data() + text.size();
+  const auto [at, error] = std::from_chars(text.data(), end, number);
+  return !text.empty() && text[0] >= '0' && text[0] <= '9' && error == std::errc() && at == end && number >= low &&
+         number <= high;
+}
 DecodeChunks decode_chunks() {
   const char* value = std::getenv("KVS_DECODE_CHUNKS");
   if (!value) return {};
   DecodeChunks chunks;
-  char* comma = nullptr;
-  char* end = nullptr;
-  const long splits = std::strtol(value, &comma, 10);
-  const long rows = comma != value && *comma == ',' ? std::strtol(comma + 1, &end, 10) : 0;
-  if (!end || end == comma + 1 || *end != '\0' || splits < 1 || splits > kMaxSplits || rows < 1 || rows > 65536)
+  const std::string_view text(value);
+  const std::size_t comma = text.find(',');
+  long splits = 0, rows = 0;
+  if (comma == std::string_view::npos || !whole_number(text.substr(0, comma), 1, kMaxSplits, splits) ||
+      !whole_number(text.substr(comma + 1), 1, 65536, rows))
     throw std::invalid_argument(std::string("KVS_DECODE_CHUNKS=") + value +
                                 ": expected SPLITS,ROWS (at most SPLITS chunks, 1 to " + std::to_string(kMaxSplits) +
                                 ", of ROWS rows or more, 1 to 65536, e.g. 128,16); unset it for " +
@@ -895,9 +904,8 @@ constexpr int kGemvMaxTokens = 64;  // a launch's: chapter 08's largest batch; m
 int whole_number_variable(const char* name, int low, int high, int unset, const char* what) {
   const char* value = std::getenv(name);
   if (!value) return unset;
-  char* end = nullptr;
-  const long number = std::strtol(value, &end, 10);
-  if (end == value || *end != '\0' || number < low || number > high)
+  long number = 0;
+  if (!whole_number(value, low, high, number))
     throw std::invalid_argument(std::string(name) + "=" + value + ": expected a whole number from " + std::to_string(low) +
                                 " to " + std::to_string(high) + " (" + what + "); unset it for " + std::to_string(unset));
   return static_cast<int>(number);
@@ -1581,6 +1589,7 @@ class CudaBackend final : public Backend {
 
 #if defined(KVS_CUDA_HARNESS)
 std::unique_ptr<Backend> make_cuda_harness_backend() {
+  cuda_harness::check_order_setting();
   // Programmatic unless KVS_PROGRAMMATIC_LAUNCH=0, as on an H100: the harness then runs each kernel's first block
   // up to its wait before the kernel ahead of it finishes (harness/cuda_runtime_harness.h).
   return std::make_unique<CudaBackend>("cuda kernels on the CPU (CUDA harness, for tests; never time it)",

@@ -126,6 +126,9 @@ bool capturing();
 // The order in which the threads of a block run between synchronisation points: "sequential", "reverse"
 // or "random:SEED" (what KVS_CUDA_HARNESS_ORDER sets at the first launch). Throws on another value.
 void set_thread_order(const std::string& order);
+// Reads KVS_CUDA_HARNESS_ORDER now (std::runtime_error for a bad value), so that a backend made for the harness
+// refuses it in one line before anything runs (first read inside a cudaFree, it could only abort the process).
+void check_order_setting();
 // The calling block's dynamic shared memory.
 void* dynamic_shared_memory();
 

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <boost/context/fiber.hpp>
+#include <charconv>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -178,12 +180,20 @@ class Scheduler {
       order_ = Order::kSequential;
     } else if (s == "reverse") {
       order_ = Order::kReverse;
-    } else if (s.rfind("random:", 0) == 0) {
+    } else if (std::uint64_t seed = 0; s.rfind("random:", 0) == 0 && whole_number(s.substr(7), seed)) {
       order_ = Order::kRandom;
-      random_.seed(std::strtoul(s.c_str() + 7, nullptr, 10));
+      random_.seed(static_cast<std::mt19937::result_type>(seed));
     } else {
-      throw std::runtime_error("KVS_CUDA_HARNESS_ORDER='" + s + "': use sequential, reverse or random:SEED");
+      throw std::runtime_error("KVS_CUDA_HARNESS_ORDER='" + s +
+                               "': use sequential, reverse or random:SEED (SEED a whole number below 2^64)");
     }
+  }
+
+  // `text` is digits only (no sign, space or other character: strtoul took "5x" as 5 and "abc" as 0) that fit.
+  static bool whole_number(const std::string& text, std::uint64_t& value) {
+    const char* end = text.data() + text.size();
+    const auto [at, error] = std::from_chars(text.data(), end, value);
+    return !text.empty() && error == std::errc() && at == end;
   }
 
   void set_max_dynamic_shared(const void* kernel_address, std::size_t bytes) { max_dynamic_shared_[kernel_address] = bytes; }
@@ -545,6 +555,7 @@ void finish_pending_kernel() { scheduler().finish_pending(); }
 void* dynamic_shared_memory() { return scheduler().dynamic_shared(); }
 
 void set_thread_order(const std::string& order) { scheduler().set_order(order); }
+void check_order_setting() { scheduler(); }
 
 void wait_for_previous_kernel() {
   calling_thread("KVS_WAIT_FOR_PREVIOUS_KERNEL");
