@@ -62,6 +62,13 @@ void for_each_backend(const std::vector<std::string>& names, Check&& check) {
   }
 }
 
+// Whether a test may read the backend's memory in place, after synchronize(): the CPU's, and the CUDA harness's
+// (cudaMalloc there is malloc, and its kernels run on the CPU); not a GPU's, which it must copy first.
+inline bool readable_in_place(Backend& backend) {
+  backend.synchronize();
+  return backend.host_memory() || backend.describe().find("CUDA harness") != std::string::npos;
+}
+
 // Host data in a backend's memory, and back.
 inline Buffer to_backend(Backend& backend, const std::vector<float>& host) {
   Buffer b(backend, host.size());

@@ -276,7 +276,7 @@ TEST_CASE("attention observer: every layer's weights, summing to 1 over the visi
             if (key_visible(pos + i, view.position_of(r), view.window)) sum += w;
             else hidden_weight += std::abs(w);
           }
-          worst_sum_error = std::max(worst_sum_error, std::abs(sum - 1));
+          worst_sum_error = worst_difference(worst_sum_error, std::abs(sum - 1));  // NaN stays NaN (std::max drops it)
         }
     }
   } recorder;
