@@ -6,9 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
-#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -17,10 +15,12 @@
 #include <iostream>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
 #include "backends.h"
+#include "number_text.h"
 #include "tokenizer.h"
 
 namespace kvs {
@@ -40,34 +40,22 @@ void ArgParser::add_string(const std::string& name, const std::string& value_nam
 
 void ArgParser::add_int(const std::string& name, const std::string& help, int* target, int min, int max) {
   flags_.push_back({name, "N", help, [=](const std::string& v) {
-                      long long value = 0;
-                      auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), value);
-                      if (ec != std::errc() || end != v.data() + v.size() || value < min || value > max)
+                      const std::optional<long long> value = whole_number<long long>(v);
+                      if (!value || *value < min || *value > max)
                         return "expects a whole number from " + std::to_string(min) + " to " + std::to_string(max);
-                      *target = static_cast<int>(value);
+                      *target = static_cast<int>(*value);
                       return std::string();
                     }});
 }
 
 void ArgParser::add_u64(const std::string& name, const std::string& help, std::uint64_t* target) {
   flags_.push_back({name, "N", help, [=](const std::string& v) {
-                      std::uint64_t value = 0;
-                      auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), value);
-                      if (ec != std::errc() || end != v.data() + v.size())
-                        return std::string("expects a whole number from 0 to 18446744073709551615");
-                      *target = value;
+                      const std::optional<std::uint64_t> value = whole_number<std::uint64_t>(v);
+                      if (!value) return std::string("expects a whole number from 0 to 18446744073709551615");
+                      *target = *value;
                       return std::string();
                     }});
 }
-
-namespace {
-// Whether `text` may be read by strtod: a decimal number, not hexadecimal (0x10, which strtod reads as 16) and not
-// padded or signed with + (which it skips), as the whole-number flags refuse them too.
-bool decimal_number(const std::string& text) {
-  return !text.empty() && text.find_first_of("xX") == std::string::npos &&
-         (std::isdigit(static_cast<unsigned char>(text[0])) || text[0] == '.' || text[0] == '-');
-}
-}  // namespace
 
 void ArgParser::add_float(const std::string& name, const std::string& help, float* target, float min, float max) {
   flags_.push_back({name, "X", help, [=](const std::string& v) {
@@ -329,14 +317,12 @@ std::vector<std::string> split_commas(const std::string& text) {
 std::vector<int> parse_int_list(const std::string& flag, const std::string& text, int min, int max) {
   if (text.empty()) throw UsageError(flag + " is empty; give whole numbers separated by commas");
   std::vector<int> values;
-  // from_chars, as the single-number flags: digits with an optional '-' and nothing else (no spaces, no '+').
-  for (const std::string& item : split_commas(text)) {
-    long long n = 0;
-    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), n);
-    if (item.empty() || ec != std::errc() || end != item.data() + item.size() || n < min || n > max)
+  for (const std::string& item : split_commas(text)) {  // as the single-number flags read them (number_text.h)
+    const std::optional<long long> n = whole_number<long long>(item);
+    if (!n || *n < min || *n > max)
       throw UsageError(flag + " expects whole numbers from " + std::to_string(min) + " to " + std::to_string(max) +
                        " separated by commas, got '" + text + "'");
-    values.push_back(static_cast<int>(n));
+    values.push_back(static_cast<int>(*n));
   }
   return values;
 }

@@ -2,11 +2,11 @@
 
 #include <unistd.h>
 
-#include <cctype>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <utility>
+
+#include "number_text.h"
 
 namespace kvs {
 namespace {
@@ -16,8 +16,7 @@ double interval_from_environment() {
   if (!value || !*value) return 1000;
   char* end = nullptr;
   const double ms = std::strtod(value, &end);
-  const bool decimal = std::isdigit(static_cast<unsigned char>(value[0])) && !std::strpbrk(value, "xX");  // not " 5", 0x10
-  if (decimal && *end == '\0' && ms >= 0 && ms <= 1e9) return ms;
+  if (decimal_number(value) && *end == '\0' && ms >= 0 && ms <= 1e9) return ms;
   // Anything else: the default, never an error in a run (progress only shows it), but said once.
   static bool said = false;
   if (!std::exchange(said, true))

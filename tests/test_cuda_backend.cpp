@@ -313,7 +313,7 @@ TEST_CASE("cuda kernels: products in blocks of fewer warps (KVS_GEMV_WARPS) equa
       sums.push_back(test::from_backend(*b, d_x));
     }
     CHECK(sums[0] != sums[3]);  // 1 warp against 4 (unset)
-    check_refused(name, "KVS_GEMV_WARPS", {"0", "5", "2x", "", "-1"}, "expected a whole number from 1 to 4");
+    check_refused(name, "KVS_GEMV_WARPS", {"0", "5", "2x", "", "-1", " 2", "+2"}, "expected a whole number from 1 to 4");
   }
 }
 
@@ -603,7 +603,7 @@ TEST_CASE("cuda kernels: decoding cut into other chunks (KVS_DECODE_CHUNKS) equa
   }
   for (const std::string& name : kernel_backends()) {
     CAPTURE(name);
-    check_refused(name, "KVS_DECODE_CHUNKS", {"0,16", "257,16", "64", "64,0", "64,65537", "64,16x", ",16", "64,", "", "x"},
+    check_refused(name, "KVS_DECODE_CHUNKS", {"0,16", "257,16", "64", "64,0", "64,65537", "64,16x", ",16", "64,", "", "x", "64, 16", "64,+16"},
                   "expected SPLITS,ROWS");
   }
 }

@@ -168,10 +168,8 @@ int main(int argc, char** argv) {
     const bool synthetic = !options.synthetic.empty();
     kvs::Runtime rt(options, "x", kvs::PromptFit::kCutByCaller, token_budget, synthetic ? prompts[0] + outputs[1] : -1);
     const kvs::ModelConfig& c = rt.model.config();
-    if (!parser.given("--token-budget")) token_budget = std::min(token_budget, c.seq_len);  // a small model's context
-    if (experiment != "products" && token_budget > c.seq_len)  // a step's tokens go through the model in one call
-      throw kvs::UsageError("--token-budget " + std::to_string(token_budget) + " exceeds the model's context of " +
-                            std::to_string(c.seq_len) + " positions; give at most " + std::to_string(c.seq_len));
+    if (experiment != "products")  // (which takes no --token-budget)
+      token_budget = kvs::ch08::step_token_budget(token_budget, parser.given("--token-budget"), c.seq_len);
     if (const std::string why = kvs::kv_format_shape_error(pool_format.format, c.head_dim(), int4_group); !why.empty())
       throw kvs::UsageError("--group " + std::to_string(int4_group) + ": " + why);
     pool_format.int4_group = int4_group;  // before the plan below sizes blocks of this format

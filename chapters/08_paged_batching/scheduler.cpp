@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "03_preallocated_cache/preallocated_kv_cache.h"
+#include "cli.h"
 #include "generate.h"
 #include "sampler.h"
 #include "timing.h"
@@ -32,6 +33,14 @@ struct Running {
 };
 
 }  // namespace
+
+int step_token_budget(int budget, bool given, int context) {
+  if (!given) return std::min(budget, context);
+  if (budget > context)
+    throw UsageError("--token-budget " + std::to_string(budget) + " exceeds the model's context of " +
+                     std::to_string(context) + " positions; give at most " + std::to_string(context));
+  return budget;
+}
 
 void check_requests(const Model& model, int pool_positions, const std::vector<Request>& requests,
                     const SchedulerOptions& options) {

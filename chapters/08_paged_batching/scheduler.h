@@ -148,6 +148,10 @@ using OnStep = std::function<void(const RunStats& stats, int finished, int reque
 // cannot take. serve() calls it; an experiment calls it first for every pool it will make, before it runs any.
 void check_requests(const Model& model, int pool_positions, const std::vector<Request>& requests,
                     const SchedulerOptions& options);
+// The tokens of a step on a model of `context` positions (a step's tokens go through the model in one call): the
+// --token-budget `budget` where `given`, else that default cut to a small model's context. A budget given past the
+// context is refused (UsageError: one line, before anything runs).
+int step_token_budget(int budget, bool given, int context);
 // The positions one sequence may hold in a pool of `blocks` blocks of `block_size` whose block tables have
 // `table_width` entries: its table's width or the whole pool, the smaller.
 inline int pool_positions(int table_width, int blocks, int block_size) {

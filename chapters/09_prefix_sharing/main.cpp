@@ -7,6 +7,7 @@
 #include <iostream>
 #include <string>
 
+#include "08_paged_batching/scheduler.h"
 #include "cli.h"
 #include "experiments.h"
 #include "runtime.h"
@@ -94,15 +95,12 @@ int main(int argc, char** argv) {
     // to the whole context. The prompt must fit with the new tokens only where it is used.
     kvs::Runtime rt(options, kDefaultPrompt, sampling ? kvs::PromptFit::kMustFit : kvs::PromptFit::kCutByCaller,
                     std::max({token_budget, largest}), -1);
-    if (!parser.given("--token-budget")) token_budget = std::min(token_budget, rt.model.config().seq_len);  // a small model's
+    if (!sampling)  // (the sampling experiments take no --token-budget)
+      token_budget = kvs::ch08::step_token_budget(token_budget, parser.given("--token-budget"), rt.model.config().seq_len);
     kvs::ch09::Setup setup{.rt = rt, .text = {}, .samples = samples, .new_tokens = options.max_new_tokens, .block_size = block_size,
                            .prefix_length = prefix_length, .question_length = question_length, .token_budget = token_budget,
                            .counts = count_list, .requests = requests, .kv_memory = kv_memory, .trace_seed = trace_seed,
                            .csv = options.csv};
-    if (!sampling && token_budget > rt.model.config().seq_len)  // a step's tokens go through the model in one call
-      throw kvs::UsageError("--token-budget " + std::to_string(token_budget) + " exceeds the model's context of " +
-                            std::to_string(rt.model.config().seq_len) + " positions; give at most " +
-                            std::to_string(rt.model.config().seq_len));
     if (!sampling) setup.text = kvs::read_input_file("the held-out text", kvs::find_data_file("kjv/valid.txt"), std::size_t{64} << 20);
     if (experiment == "prefix" && prefix_length + question_length + options.max_new_tokens > rt.model.config().seq_len)
       throw kvs::UsageError("--prefix-length " + std::to_string(prefix_length) + " + --question-length " +

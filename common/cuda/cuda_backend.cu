@@ -7,11 +7,11 @@
 // its launch geometry. Kernels that reduce across a warp need whole warps: their block sizes are multiples
 // of 32.
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -22,6 +22,7 @@
 #include "backend.h"
 #include "cuda/cuda_backend.h"
 #include "kv_cache.h"
+#include "number_text.h"
 #include "rope.h"
 
 #if defined(KVS_CUDA_HARNESS)
@@ -619,32 +620,32 @@ struct DecodeChunks {
   }
 };
 
+// `text` as a whole number (number_text.h) from low to high, or nothing.
+std::optional<long> whole_number_within(std::string_view text, long low, long high) {
+  const std::optional<long> number = whole_number<long>(text);
+  return number && *number >= low && *number <= high ? number : std::nullopt;
+}
+
 // The chunks decoding cuts views into on this run: DecodeChunks' default, or KVS_DECODE_CHUNKS=SPLITS,ROWS where set
 // (at most SPLITS chunks, 1 to kMaxSplits, of ROWS rows or more, 1 to 65,536; a query's last chunk may be
 // shorter). Why a variable: how many blocks keep an H100's memory busy, against what the merge of more chunks
 // costs, is a GPU's measurement (DecodeChunks above says what was measured), and tests/gpu_session.sh makes it with
 // one build (its chunks step).
-// Whether `text` is a whole number from low to high in digits alone (strtol also took " 4", "+4" and "4 ").
-bool whole_number(std::string_view text, long low, long high, long& number) {
-  const char* end = text.data() + text.size();
-  const auto [at, error] = std::from_chars(text.data(), end, number);
-  return !text.empty() && text[0] >= '0' && text[0] <= '9' && error == std::errc() && at == end && number >= low &&
-         number <= high;
-}
 DecodeChunks decode_chunks() {
   const char* value = std::getenv("KVS_DECODE_CHUNKS");
   if (!value) return {};
   DecodeChunks chunks;
   const std::string_view text(value);
   const std::size_t comma = text.find(',');
-  long splits = 0, rows = 0;
-  if (comma == std::string_view::npos || !whole_number(text.substr(0, comma), 1, kMaxSplits, splits) ||
-      !whole_number(text.substr(comma + 1), 1, 65536, rows))
+  const std::optional<long> splits = whole_number_within(text.substr(0, comma), 1, kMaxSplits),
+                            rows = comma == std::string_view::npos ? std::nullopt
+                                                                   : whole_number_within(text.substr(comma + 1), 1, 65536);
+  if (!splits || !rows)
     throw std::invalid_argument(std::string("KVS_DECODE_CHUNKS=") + value +
                                 ": expected SPLITS,ROWS (at most SPLITS chunks, 1 to " + std::to_string(kMaxSplits) +
                                 ", of ROWS rows or more, 1 to 65536, e.g. 128,16); unset it for " +
                                 std::to_string(chunks.max_splits) + "," + std::to_string(chunks.min_rows));
-  chunks.max_splits = static_cast<int>(splits), chunks.min_rows = static_cast<int>(rows);
+  chunks.max_splits = static_cast<int>(*splits), chunks.min_rows = static_cast<int>(*rows);
   return chunks;
 }
 
@@ -904,11 +905,11 @@ constexpr int kGemvMaxTokens = 64;  // a launch's: chapter 08's largest batch; m
 int whole_number_variable(const char* name, int low, int high, int unset, const char* what) {
   const char* value = std::getenv(name);
   if (!value) return unset;
-  long number = 0;
-  if (!whole_number(value, low, high, number))
+  const std::optional<long> number = whole_number_within(value, low, high);
+  if (!number)
     throw std::invalid_argument(std::string(name) + "=" + value + ": expected a whole number from " + std::to_string(low) +
                                 " to " + std::to_string(high) + " (" + what + "); unset it for " + std::to_string(unset));
-  return static_cast<int>(number);
+  return static_cast<int>(*number);
 }
 // The most tokens the fused products take on this run: kGemvMaxTokens, or KVS_GEMV_MAX_TOKENS (1 to 64) where set.
 // Why a variable: whether tiles of 8 beat cuBLAS for a large model's batch of 9 to 64 is a GPU's measurement, and

@@ -6,13 +6,13 @@
 
 #include <algorithm>
 #include <boost/context/fiber.hpp>
-#include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -21,6 +21,7 @@
 
 #include "address_sanitizer.h"
 #include "cuda_runtime_harness.h"
+#include "number_text.h"
 
 uint3 threadIdx;
 uint3 blockIdx;
@@ -180,20 +181,13 @@ class Scheduler {
       order_ = Order::kSequential;
     } else if (s == "reverse") {
       order_ = Order::kReverse;
-    } else if (std::uint64_t seed = 0; s.rfind("random:", 0) == 0 && whole_number(s.substr(7), seed)) {
+    } else if (const auto seed = s.rfind("random:", 0) == 0 ? whole_number<std::uint64_t>(s.substr(7)) : std::nullopt) {
       order_ = Order::kRandom;
-      random_.seed(static_cast<std::mt19937::result_type>(seed));
+      random_.seed(static_cast<std::mt19937::result_type>(*seed));
     } else {
       throw std::runtime_error("KVS_CUDA_HARNESS_ORDER='" + s +
                                "': use sequential, reverse or random:SEED (SEED a whole number below 2^64)");
     }
-  }
-
-  // `text` is digits only (no sign, space or other character: strtoul took "5x" as 5 and "abc" as 0) that fit.
-  static bool whole_number(const std::string& text, std::uint64_t& value) {
-    const char* end = text.data() + text.size();
-    const auto [at, error] = std::from_chars(text.data(), end, value);
-    return !text.empty() && error == std::errc() && at == end;
   }
 
   void set_max_dynamic_shared(const void* kernel_address, std::size_t bytes) { max_dynamic_shared_[kernel_address] = bytes; }
